@@ -1,0 +1,330 @@
+"""Triton kernels: lazy_prefill, lazy_decode (flash-decoding), rotate_copy.
+
+Loaded through ``kernels/__init__.py``, which imports this file twice when needed (once
+compiled, once under the Triton interpreter), so use the public API, not this module.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .pages import PageTable
+
+
+@triton.jit
+def _rot_q(q1, q2, qpos, d, invf, DTYPE: tl.constexpr):
+    # R(qpos - d) applied to (q1, q2) in fp32; int32 subtraction first, then to fp32.
+    ang = (qpos - d).to(tl.float32)[:, None] * invf[None, :]
+    c = tl.cos(ang)
+    s = tl.sin(ang)
+    return (q1 * c - q2 * s).to(DTYPE), (q2 * c + q1 * s).to(DTYPE)
+
+
+@triton.jit
+def _attn_blocks(q1, q2, qpos, invf, acc, m_i, l_i,
+                 K, V, ids_row, delta_row, start_row, len_row, n_pages, kvh,
+                 blk_lo, blk_hi,
+                 stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
+                 qk_scale,
+                 DTYPE: tl.constexpr, PS: tl.constexpr, HALF: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROTATE: tl.constexpr,
+                 PREC: tl.constexpr):
+    """Online-softmax over key blocks [blk_lo, blk_hi) of one request (BLOCK_N keys each).
+
+    q1, q2: [BLOCK_M, HALF] fp32 query halves (un-rotated if ROTATE else already rotated).
+    qpos: [BLOCK_M] int32 logical query positions. acc: [BLOCK_M, 2*HALF] fp32.
+    """
+    PPB: tl.constexpr = BLOCK_N // PS
+    offs_n = tl.arange(0, BLOCK_N)
+    row_page = offs_n // PS
+    row_tok = offs_n % PS
+    offs_h = tl.arange(0, HALF)
+    offs_d = tl.arange(0, 2 * HALF)
+    if ROTATE:
+        d0 = tl.load(delta_row + blk_lo * PPB, mask=blk_lo * PPB < n_pages, other=0)
+        cur_d = d0
+        q1r, q2r = _rot_q(q1, q2, qpos, d0, invf, DTYPE)
+    else:
+        q1r = q1.to(DTYPE)
+        q2r = q2.to(DTYPE)
+    for blk in range(blk_lo, blk_hi):
+        e = blk * PPB + row_page
+        emask = e < n_pages
+        pid = tl.load(ids_row + e, mask=emask, other=0)
+        st = tl.load(start_row + e, mask=emask, other=0)
+        dl = tl.load(delta_row + e, mask=emask, other=0)
+        ln = tl.load(len_row + e, mask=emask, other=0)
+        kvalid = emask & (row_tok < ln)
+        kpos = st + dl + row_tok
+        krow = pid.to(tl.int64) * stride_kp + row_tok * stride_kt + kvh * stride_kh
+        k1 = tl.load(K + krow[:, None] + offs_h[None, :], mask=kvalid[:, None], other=0.0)
+        k2 = tl.load(K + krow[:, None] + HALF + offs_h[None, :], mask=kvalid[:, None], other=0.0)
+        if ROTATE:
+            dmin = tl.min(tl.where(emask, dl, 2147483647), axis=0)
+            dmax = tl.max(tl.where(emask, dl, -2147483647), axis=0)
+            if dmin == dmax:
+                if dmin != cur_d:
+                    q1r, q2r = _rot_q(q1, q2, qpos, dmin, invf, DTYPE)
+                    cur_d = dmin
+                s = tl.dot(q1r, tl.trans(k1), input_precision=PREC)
+                s = tl.dot(q2r, tl.trans(k2), s, input_precision=PREC)
+            else:
+                # Rare: this key block straddles pages of different deltas.
+                s = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                for i in tl.static_range(PPB):
+                    ei = blk * PPB + i
+                    di = tl.load(delta_row + ei, mask=ei < n_pages, other=0)
+                    a1, a2 = _rot_q(q1, q2, qpos, di, invf, DTYPE)
+                    si = tl.dot(a1, tl.trans(k1), input_precision=PREC)
+                    si = tl.dot(a2, tl.trans(k2), si, input_precision=PREC)
+                    s = tl.where(row_page[None, :] == i, si, s)
+        else:
+            s = tl.dot(q1r, tl.trans(k1), input_precision=PREC)
+            s = tl.dot(q2r, tl.trans(k2), s, input_precision=PREC)
+        vis = kvalid[None, :] & (kpos[None, :] <= qpos[:, None])
+        s = tl.where(vis, s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        vrow = pid.to(tl.int64) * stride_vp + row_tok * stride_vt + kvh * stride_vh
+        v = tl.load(V + vrow[:, None] + offs_d[None, :], mask=kvalid[:, None], other=0.0)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(DTYPE), v, acc, input_precision=PREC)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _prefill_kernel(Q, K, V, O, IDS, DELTA, START, LEN, COUNT, CU, QPOS, INVF,
+                    stride_qt, stride_qh, stride_kp, stride_kt, stride_kh,
+                    stride_vp, stride_vt, stride_vh, stride_ot, stride_oh, stride_tb,
+                    qk_scale,
+                    GROUP: tl.constexpr, DTYPE: tl.constexpr, PS: tl.constexpr, HALF: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROTATE: tl.constexpr,
+                    PREC: tl.constexpr):
+    h = tl.program_id(0)
+    b = tl.program_id(1)
+    tile = tl.program_id(2)
+    q_start = tl.load(CU + b)
+    q_end = tl.load(CU + b + 1)
+    m0 = q_start + tile * BLOCK_M
+    if m0 < q_end:
+        kvh = h // GROUP
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        mmask = offs_m < q_end
+        offs_h = tl.arange(0, HALF)
+        offs_d = tl.arange(0, 2 * HALF)
+        qrow = offs_m.to(tl.int64) * stride_qt + h * stride_qh
+        q1 = tl.load(Q + qrow[:, None] + offs_h[None, :], mask=mmask[:, None], other=0.0).to(tl.float32)
+        q2 = tl.load(Q + qrow[:, None] + HALF + offs_h[None, :], mask=mmask[:, None], other=0.0).to(tl.float32)
+        qpos = tl.load(QPOS + offs_m, mask=mmask, other=0)
+        invf = tl.load(INVF + offs_h)
+        n_pages = tl.load(COUNT + b)
+        n_blk = tl.cdiv(n_pages * PS, BLOCK_N)
+        acc = tl.zeros([BLOCK_M, 2 * HALF], dtype=tl.float32)
+        m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        tb = b.to(tl.int64) * stride_tb
+        acc, m_i, l_i = _attn_blocks(q1, q2, qpos, invf, acc, m_i, l_i,
+                                     K, V, IDS + tb, DELTA + tb, START + tb, LEN + tb, n_pages, kvh,
+                                     0, n_blk,
+                                     stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
+                                     qk_scale, DTYPE, PS, HALF, BLOCK_M, BLOCK_N, ROTATE, PREC)
+        l_safe = tl.where(l_i > 0, l_i, 1.0)
+        o = tl.where(l_i[:, None] > 0, acc / l_safe[:, None], 0.0)
+        orow = offs_m.to(tl.int64) * stride_ot + h * stride_oh
+        tl.store(O + orow[:, None] + offs_d[None, :], o.to(O.dtype.element_ty), mask=mmask[:, None])
+
+
+@triton.jit
+def _decode_split_kernel(Q, K, V, OP, LSE, IDS, DELTA, START, LEN, COUNT, QPOS, INVF,
+                         stride_qb, stride_qh, stride_kp, stride_kt, stride_kh,
+                         stride_vp, stride_vt, stride_vh, stride_tb, num_heads, blk_per_split,
+                         qk_scale,
+                         GROUP: tl.constexpr, DTYPE: tl.constexpr, PS: tl.constexpr, HALF: tl.constexpr,
+                         BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
+                         ROTATE: tl.constexpr, PREC: tl.constexpr):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    sp = tl.program_id(2)
+    offs_g = tl.arange(0, BLOCK_H)
+    gmask = offs_g < GROUP
+    heads = kvh * GROUP + offs_g
+    offs_h = tl.arange(0, HALF)
+    offs_d = tl.arange(0, 2 * HALF)
+    qrow = b.to(tl.int64) * stride_qb + heads * stride_qh
+    q1 = tl.load(Q + qrow[:, None] + offs_h[None, :], mask=gmask[:, None], other=0.0).to(tl.float32)
+    q2 = tl.load(Q + qrow[:, None] + HALF + offs_h[None, :], mask=gmask[:, None], other=0.0).to(tl.float32)
+    qpos = tl.load(QPOS + b + offs_g * 0)
+    invf = tl.load(INVF + offs_h)
+    n_pages = tl.load(COUNT + b)
+    n_blk = tl.cdiv(n_pages * PS, BLOCK_N)
+    lo = sp * blk_per_split
+    hi = tl.minimum(lo + blk_per_split, n_blk)
+    acc = tl.zeros([BLOCK_H, 2 * HALF], dtype=tl.float32)
+    m_i = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    tb = b.to(tl.int64) * stride_tb
+    if lo < hi:
+        acc, m_i, l_i = _attn_blocks(q1, q2, qpos, invf, acc, m_i, l_i,
+                                     K, V, IDS + tb, DELTA + tb, START + tb, LEN + tb, n_pages, kvh,
+                                     lo, hi,
+                                     stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
+                                     qk_scale, DTYPE, PS, HALF, BLOCK_H, BLOCK_N, ROTATE, PREC)
+    # partial results: OP [B, H, SPLITS, D] (normalised), LSE [B, H, SPLITS] (log2 domain)
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    o = acc / l_safe[:, None]
+    lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
+    prow = (b.to(tl.int64) * num_heads + heads) * SPLITS + sp
+    tl.store(OP + prow[:, None] * (2 * HALF) + offs_d[None, :], o, mask=gmask[:, None])
+    tl.store(LSE + prow, lse, mask=gmask)
+
+
+@triton.jit
+def _decode_merge_kernel(OP, LSE, O, stride_ob, stride_oh, num_heads,
+                         D: tl.constexpr, SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, SPLITS_P2)
+    smask = offs_s < SPLITS
+    offs_d = tl.arange(0, D)
+    base = (b.to(tl.int64) * num_heads + h) * SPLITS
+    lse = tl.load(LSE + base + offs_s, mask=smask, other=float("-inf"))
+    mx = tl.max(lse, axis=0)
+    mx_safe = tl.where(mx > float("-inf"), mx, 0.0)
+    w = tl.where(lse > float("-inf"), tl.exp2(lse - mx_safe), 0.0)
+    tot = tl.sum(w, axis=0)
+    op = tl.load(OP + (base + offs_s)[:, None] * D + offs_d[None, :], mask=smask[:, None], other=0.0)
+    o = tl.sum(op * w[:, None], axis=0)
+    o = tl.where(tot > 0, o / tl.where(tot > 0, tot, 1.0), 0.0)
+    tl.store(O + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d, o.to(O.dtype.element_ty))
+
+
+@triton.jit
+def _rotate_copy_kernel(K, V, DK, DV, SRC, DST, DELTA, INVF,
+                        stride_kp, stride_vp, stride_dkp, stride_dvp, rows_per_page,
+                        HALF: tl.constexpr, BLOCK_R: tl.constexpr):
+    i = tl.program_id(0)
+    rb = tl.program_id(1)
+    src = tl.load(SRC + i).to(tl.int64)
+    dst = tl.load(DST + i).to(tl.int64)
+    d = tl.load(DELTA + i)
+    offs_h = tl.arange(0, HALF)
+    offs_r = rb * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = offs_r < rows_per_page
+    invf = tl.load(INVF + offs_h)
+    ang = d.to(tl.float32) * invf
+    c = tl.cos(ang)[None, :]
+    s = tl.sin(ang)[None, :]
+    roff = offs_r[:, None] * (2 * HALF) + offs_h[None, :]
+    k1 = tl.load(K + src * stride_kp + roff, mask=rmask[:, None]).to(tl.float32)
+    k2 = tl.load(K + src * stride_kp + HALF + roff, mask=rmask[:, None]).to(tl.float32)
+    v1 = tl.load(V + src * stride_vp + roff, mask=rmask[:, None])
+    v2 = tl.load(V + src * stride_vp + HALF + roff, mask=rmask[:, None])
+    tl.store(DK + dst * stride_dkp + roff, (k1 * c - k2 * s).to(DK.dtype.element_ty), mask=rmask[:, None])
+    tl.store(DK + dst * stride_dkp + HALF + roff, (k2 * c + k1 * s).to(DK.dtype.element_ty), mask=rmask[:, None])
+    tl.store(DV + dst * stride_dvp + roff, v1.to(DV.dtype.element_ty), mask=rmask[:, None])
+    tl.store(DV + dst * stride_dvp + HALF + roff, v2.to(DV.dtype.element_ty), mask=rmask[:, None])
+
+
+_TL_DTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+_LOG2E = 1.4426950408889634
+POISON_SCRATCH = False  # tests: fill decode scratch with NaN to catch unwritten partials
+
+
+def _prec(dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _num_sms(device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def _block_n(ps: int, head_dim: int) -> int:
+    return max(ps, 64)
+
+
+def lazy_prefill(q, k_pages, v_pages, pages: PageTable, cu_seqlens_q, q_pos, inv_freq, sm_scale, rotate=True,
+                 max_seqlen_q: int | None = None, block_m: int | None = None, block_n: int | None = None,
+                 num_warps: int | None = None, num_stages: int | None = None, out=None):
+    total, H, D = q.shape
+    _, PS, Hkv, _ = k_pages.shape
+    B = pages.ids.shape[0]
+    o = torch.empty_like(q) if out is None else out
+    if total == 0 or B == 0:
+        return o
+    if max_seqlen_q is None:
+        max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max().item())
+    if block_m is None:
+        block_m = max(16, min(128, triton.next_power_of_2(max(1, max_seqlen_q))))
+    block_n = block_n or _block_n(PS, D)
+    block_n = max(block_n, PS)
+    n_tiles = max(1, triton.cdiv(max_seqlen_q, block_m))
+    if num_warps is None:
+        num_warps = 8 if block_m >= 128 else 4
+    if num_stages is None:
+        num_stages = 2
+    grid = (H, B, n_tiles)
+    _prefill_kernel[grid](
+        q, k_pages, v_pages, o, pages.ids, pages.delta, pages.start, pages.length, pages.count,
+        cu_seqlens_q, q_pos, inv_freq,
+        q.stride(0), q.stride(1), k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
+        v_pages.stride(0), v_pages.stride(1), v_pages.stride(2), o.stride(0), o.stride(1), pages.ids.stride(0),
+        float(sm_scale) * _LOG2E,
+        GROUP=H // Hkv, DTYPE=_TL_DTYPE[q.dtype], PS=PS, HALF=D // 2,
+        BLOCK_M=block_m, BLOCK_N=block_n, ROTATE=bool(rotate), PREC=_prec(q.dtype), num_warps=num_warps, num_stages=num_stages)
+    return o
+
+
+def lazy_decode(q, k_pages, v_pages, pages: PageTable, q_pos, inv_freq, sm_scale, rotate=True,
+                num_splits: int | None = None, block_n: int | None = None, num_warps: int | None = None,
+                num_stages: int | None = None, out=None):
+    B, H, D = q.shape
+    _, PS, Hkv, _ = k_pages.shape
+    G = H // Hkv
+    o = torch.empty_like(q) if out is None else out
+    if B == 0:
+        return o
+    block_n = max(block_n or _block_n(PS, D), PS)
+    max_blk = max(1, triton.cdiv(pages.ids.shape[1] * PS, block_n))  # upper bound, no host sync
+    if num_splits is None:
+        want = triton.cdiv(4 * _num_sms(q.device), B * Hkv)
+        num_splits = max(1, min(want, max_blk, 64))
+    blk_per_split = triton.cdiv(max_blk, num_splits)
+    num_splits = triton.cdiv(max_blk, blk_per_split)
+    scratch = torch.full if POISON_SCRATCH else (lambda shape, _v, **kw: torch.empty(shape, **kw))
+    op = scratch((B, H, num_splits, D), float("nan"), device=q.device, dtype=torch.float32)
+    lse = scratch((B, H, num_splits), float("nan"), device=q.device, dtype=torch.float32)
+    block_h = max(16, triton.next_power_of_2(G))
+    _decode_split_kernel[(B, Hkv, num_splits)](
+        q, k_pages, v_pages, op, lse, pages.ids, pages.delta, pages.start, pages.length, pages.count, q_pos, inv_freq,
+        q.stride(0), q.stride(1), k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
+        v_pages.stride(0), v_pages.stride(1), v_pages.stride(2), pages.ids.stride(0), H, blk_per_split,
+        float(sm_scale) * _LOG2E,
+        GROUP=G, DTYPE=_TL_DTYPE[q.dtype], PS=PS, HALF=D // 2, BLOCK_H=block_h, BLOCK_N=block_n,
+        SPLITS=num_splits, ROTATE=bool(rotate), PREC=_prec(q.dtype), num_warps=num_warps or 4, num_stages=num_stages or 2)
+    _decode_merge_kernel[(B, H)](op, lse, o, o.stride(0), o.stride(1), H, D=D, SPLITS=num_splits,
+                                 SPLITS_P2=triton.next_power_of_2(num_splits), num_warps=4)
+    return o
+
+
+def rotate_copy(k_pages, v_pages, src, dst, delta, inv_freq, dst_k=None, dst_v=None, block_r: int = 64):
+    dst_k = k_pages if dst_k is None else dst_k
+    dst_v = v_pages if dst_v is None else dst_v
+    N = src.shape[0]
+    if N == 0:
+        return dst_k, dst_v
+    _, PS, Hkv, D = k_pages.shape
+    rows = PS * Hkv
+    block_r = min(block_r, triton.next_power_of_2(rows))
+    grid = (N, triton.cdiv(rows, block_r))
+    _rotate_copy_kernel[grid](k_pages, v_pages, dst_k, dst_v, src, dst, delta, inv_freq,
+                              k_pages.stride(0), v_pages.stride(0), dst_k.stride(0), dst_v.stride(0), rows,
+                              HALF=D // 2, BLOCK_R=block_r, num_warps=4)
+    return dst_k, dst_v

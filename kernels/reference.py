@@ -1,0 +1,123 @@
+"""Plain PyTorch versions of the lazy-attention kernels.
+
+Same signatures and semantics as the Triton kernels (see ``kernels/__init__.py``). They are
+the tests' oracle and the engine's path where Triton cannot run (CPU). Vectorised per
+request: one batched matmul per (request, distinct page delta), no per-key Python loops.
+Scores and softmax are computed in fp32; the rotated query is rounded to the input dtype
+before the dot product, as the kernels do.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .pages import PageTable
+
+
+def _rope(x: Tensor, pos: Tensor, inv_freq: Tensor) -> Tensor:
+    """Rotate fp32 ``x`` [L, H, D] by int positions ``pos`` [L] (HF rotate_half convention)."""
+    half = x.shape[-1] // 2
+    ang = pos.to(torch.float32)[:, None] * inv_freq[None, :]  # [L, D/2]
+    cos = ang.cos()[:, None, :]
+    sin = ang.sin()[:, None, :]
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def _attend_one(qb, mpos, k_pages, v_pages, ids, delta, start, length, inv_freq, sm_scale, rotate):
+    """One request: qb [L, H, D] (input dtype), mpos [L] int32; page entries already cut to count."""
+    L, H, D = qb.shape
+    _, PS, Hkv, _ = k_pages.shape
+    G = H // Hkv
+    n = ids.shape[0]
+    N = n * PS
+    dev = qb.device
+    j = torch.arange(PS, device=dev, dtype=torch.int64)
+    kpos = ((start.long() + delta.long())[:, None] + j[None, :]).reshape(N)
+    valid = (j[None, :] < length.long()[:, None]).reshape(N)
+    mask = valid[None, :] & (kpos[None, :] <= mpos.long()[:, None])  # [L, N]
+
+    K = k_pages[ids.long()].reshape(N, Hkv, D).to(torch.float32).permute(1, 2, 0)  # [Hkv, D, N]
+    V = v_pages[ids.long()].reshape(N, Hkv, D).to(torch.float32).permute(1, 0, 2)  # [Hkv, N, D]
+    qf = qb.to(torch.float32)
+
+    def group(x):  # [L, H, D] -> [Hkv, G*L, D]
+        return x.reshape(L, Hkv, G, D).permute(1, 2, 0, 3).reshape(Hkv, G * L, D)
+
+    if rotate:
+        scores = torch.empty(Hkv, G * L, N, device=dev, dtype=torch.float32)
+        uniq, inverse = torch.unique(delta, return_inverse=True)
+        key_group = inverse.repeat_interleave(PS)  # [N]
+        for ui, du in enumerate(uniq.tolist()):
+            qr = _rope(qf, mpos - du, inv_freq).to(qb.dtype).to(torch.float32)
+            sel = (key_group == ui).nonzero().squeeze(1)
+            scores[:, :, sel] = torch.bmm(group(qr), K[:, :, sel])
+    else:
+        scores = torch.bmm(group(qf), K)
+    scores = scores.view(Hkv, G, L, N) * sm_scale
+    scores = scores.masked_fill(~mask[None, None], float("-inf"))
+    m = scores.amax(dim=-1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    p = torch.exp(scores - m)
+    l = p.sum(dim=-1, keepdim=True)
+    o = torch.matmul(p.view(Hkv, G * L, N), V).view(Hkv, G, L, D)
+    o = torch.where(l > 0, o / l.clamp_min(1e-30), torch.zeros_like(o))
+    return o.permute(2, 0, 1, 3).reshape(L, H, D)
+
+
+def _check(q, k_pages, v_pages, inv_freq):
+    D = q.shape[-1]
+    if D not in (64, 128):
+        raise ValueError(f"head_dim must be 64 or 128, got {D}")
+    if k_pages.shape != v_pages.shape or k_pages.dim() != 4 or k_pages.shape[-1] != D:
+        raise ValueError(f"k_pages/v_pages must be [num_pages, page_size, kv_heads, {D}], got "
+                         f"{tuple(k_pages.shape)} / {tuple(v_pages.shape)}")
+    H, Hkv = q.shape[-2], k_pages.shape[2]
+    if H % Hkv:
+        raise ValueError(f"num_heads {H} is not a multiple of kv_heads {Hkv}")
+    if tuple(inv_freq.shape) != (D // 2,):
+        raise ValueError(f"inv_freq must be [{D // 2}], got {tuple(inv_freq.shape)}")
+
+
+def lazy_prefill(q: Tensor, k_pages: Tensor, v_pages: Tensor, pages: PageTable, cu_seqlens_q: Tensor,
+                 q_pos: Tensor, inv_freq: Tensor, sm_scale: float, rotate: bool = True, **_unused) -> Tensor:
+    _check(q, k_pages, v_pages, inv_freq)
+    out = torch.zeros_like(q)
+    inv_freq = inv_freq.to(device=q.device, dtype=torch.float32)
+    cu = cu_seqlens_q.tolist()
+    counts = pages.count.tolist()
+    for b in range(len(cu) - 1):
+        qs, qe, n = cu[b], cu[b + 1], counts[b]
+        if qe <= qs or n <= 0:
+            continue
+        o = _attend_one(q[qs:qe], q_pos[qs:qe], k_pages, v_pages, pages.ids[b, :n], pages.delta[b, :n],
+                        pages.start[b, :n], pages.length[b, :n], inv_freq, sm_scale, rotate)
+        out[qs:qe] = o.to(q.dtype)
+    return out
+
+
+def lazy_decode(q: Tensor, k_pages: Tensor, v_pages: Tensor, pages: PageTable, q_pos: Tensor,
+                inv_freq: Tensor, sm_scale: float, rotate: bool = True, **_unused) -> Tensor:
+    B = q.shape[0]
+    cu = torch.arange(B + 1, dtype=torch.int32, device=q.device)
+    return lazy_prefill(q, k_pages, v_pages, pages, cu, q_pos, inv_freq, sm_scale, rotate)
+
+
+def rotate_copy(k_pages: Tensor, v_pages: Tensor, src: Tensor, dst: Tensor, delta: Tensor, inv_freq: Tensor,
+                dst_k: Tensor | None = None, dst_v: Tensor | None = None):
+    dst_k = k_pages if dst_k is None else dst_k
+    dst_v = v_pages if dst_v is None else dst_v
+    D = k_pages.shape[-1]
+    half = D // 2
+    s = src.long()
+    k = k_pages[s].to(torch.float32)  # [N, PS, Hkv, D]
+    v = v_pages[s].clone()
+    ang = delta.to(torch.float32)[:, None] * inv_freq.to(torch.float32)[None, :]  # [N, D/2]
+    cos = ang.cos()[:, None, None, :]
+    sin = ang.sin()[:, None, None, :]
+    k1, k2 = k[..., :half], k[..., half:]
+    rot = torch.cat((k1 * cos - k2 * sin, k2 * cos + k1 * sin), dim=-1)
+    d = dst.long()
+    dst_k[d] = rot.to(dst_k.dtype)
+    dst_v[d] = v.to(dst_v.dtype)
+    return dst_k, dst_v

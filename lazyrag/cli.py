@@ -1,0 +1,154 @@
+"""The `lazyrag` command line: parse, call one function per command, print."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+
+from lazyrag import config
+
+app = typer.Typer(
+    add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+    help="Batch retrieval-augmented generation over a fixed corpus, with each chunk's KV computed once "
+         "and reused at any position (deferred RoPE).",
+)
+out = Console()
+err = Console(stderr=True)
+
+StoreOpt = typer.Option(config.DEFAULT_STORE, "--store", "-s", help="The zarr store directory.")
+JsonOpt = typer.Option(False, "--json", help="Print one JSON object for scripts instead of tables.")
+DeviceOpt = typer.Option("auto", help="auto (CUDA when present), cpu or cuda.")
+
+
+def _fail(exc: Exception, code: int = 1):
+    err.print(f"[bold red]error:[/] {exc}", highlight=False, markup=True, soft_wrap=True)
+    raise typer.Exit(code)
+
+
+def _known_errors():
+    from lazyrag.corpus import CorpusError
+    from lazyrag.models import ModelError
+    from lazyrag.store import StoreError
+
+    return (CorpusError, ModelError, StoreError, FileNotFoundError, ValueError)
+
+
+@app.command()
+def index(
+    corpus: Path = typer.Argument(..., help="A directory (.txt, .md, .jsonl, recursively) or one .jsonl file "
+                                            "with lines {\"id\", \"text\", \"title\"?}."),
+    store: Path = StoreOpt,
+    model: str = typer.Option("smollm2-135m", "--model", "-m",
+                              help="smollm2-135m, a local Hugging Face model directory, or random:<preset>."),
+    chunk_tokens: int = typer.Option(512, min=16, help="Most tokens per chunk; cuts prefer paragraph, "
+                                                       "then sentence boundaries."),
+    page_size: int = typer.Option(16, help="Tokens per KV page (chunks are padded to whole pages)."),
+    batch_tokens: int = typer.Option(8192, min=64, help="Chunk tokens per forward pass."),
+    device: str = DeviceOpt,
+    dtype: str = typer.Option("auto", help="auto (bf16 on CUDA, fp32 on CPU), bf16, fp16 or fp32."),
+    skip_bad: bool = typer.Option(False, "--skip-bad", help="Report bad files or lines and go on."),
+    trust_remote_code: bool = typer.Option(False, help="Let transformers run code shipped with the model."),
+    as_json: bool = JsonOpt,
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
+):
+    """Chunk a corpus, run the model once per chunk, and store each chunk's KV.
+
+    Re-running adds only chunks that are not stored yet; an interrupted run resumes.
+    A store built with another model or other settings is refused.
+    """
+    from lazyrag.indexer import build_index
+
+    cfg = config.IndexConfig(corpus=corpus, store=store, model=model, device=device, dtype=dtype,
+                             chunk_tokens=chunk_tokens, page_size=page_size, batch_tokens=batch_tokens,
+                             skip_bad=skip_bad, trust_remote_code=trust_remote_code)
+    try:
+        result = build_index(cfg, report=lambda m: err.print(f"[yellow]skipped:[/] {m}", highlight=False),
+                             progress=not (as_json or quiet))
+    except _known_errors() as exc:
+        _fail(exc)
+    if as_json:
+        print(json.dumps(result.to_json()))
+        return
+    if result.chunks_added == 0:
+        out.print(f"nothing new: all {result.chunks_total} chunks of {result.documents_total} documents "
+                  f"are already in {result.store}")
+    else:
+        out.print(f"added {result.chunks_added} chunks ({result.tokens_added:,} tokens) in {result.seconds:.1f}s; "
+                  f"{result.store} holds {result.chunks_total} chunks of {result.documents_total} documents")
+    if result.documents_empty or result.bad_skipped:
+        out.print(f"skipped {result.documents_empty} empty documents and {result.bad_skipped} bad inputs")
+
+
+@app.command()
+def answer(
+    queries: Path = typer.Argument(..., help='JSONL lines {"id", "question", "docs"?, "chunks"?, "answers"?}.'),
+    store: Path = StoreOpt,
+    out_path: Path = typer.Option(Path("answers.jsonl"), "--out", "-o",
+                                  help="Answers JSONL, appended; ids already there are skipped (resume)."),
+    mode: str = typer.Option("lazy", help="lazy (shared chunk KV, deferred RoPE), block (per-request "
+                                          "re-rotated copies) or full (recompute the whole prompt)."),
+    top_k: int = typer.Option(5, min=1, help="Chunks to retrieve (BM25) for queries naming no docs or chunks."),
+    max_new_tokens: int = typer.Option(32, min=1),
+    cache_gb: float = typer.Option(4.0, help="GPU (or CPU) memory for the page pool: chunks, prompts, answers."),
+    host_cache_gb: float = typer.Option(0.0, help="Pinned host memory for chunks evicted from the pool."),
+    batch_size: int = typer.Option(32, min=1, help="Most requests in flight."),
+    device: str = DeviceOpt,
+    temperature: float = typer.Option(0.0, min=0.0, help="0 is greedy."),
+    top_p: float = typer.Option(1.0, min=0.0, max=1.0),
+    seed: int = typer.Option(0),
+    model: Optional[str] = typer.Option(None, help="Load the model from here instead of the name the store "
+                                                   "records (it must have the same fingerprint)."),
+    trust_remote_code: bool = typer.Option(False, help="Let transformers run code shipped with the model."),
+    as_json: bool = JsonOpt,
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
+):
+    """Answer a file of questions from the store; one JSON line per answer, in finishing order."""
+    from lazyrag.answering import QueryError, answer_file
+
+    if mode not in config.MODES:
+        _fail(ValueError(f"--mode must be one of {', '.join(config.MODES)}"), 2)
+    cfg = config.AnswerConfig(queries=queries, store=store, out=out_path, mode=mode, top_k=top_k,
+                              max_new_tokens=max_new_tokens, cache_gb=cache_gb, host_cache_gb=host_cache_gb,
+                              batch_size=batch_size, device=device, temperature=temperature, top_p=top_p,
+                              seed=seed, trust_remote_code=trust_remote_code)
+    try:
+        result = answer_file(cfg, report=lambda m: err.print(f"[yellow]bad input:[/] {m}", highlight=False),
+                             progress=not (as_json or quiet), model_name=model)
+    except (*_known_errors(), QueryError) as exc:
+        _fail(exc)
+    if as_json:
+        print(json.dumps({**result.record, "skipped_already_answered": result.skipped}))
+        return
+    from lazyrag.report import render_run
+
+    if result.skipped:
+        out.print(f"{result.skipped} queries were already answered in {out_path}; skipped")
+    render_run(result.record, out)
+
+
+@app.command()
+def stats(store: Path = StoreOpt, as_json: bool = JsonOpt):
+    """Show the store, and each `answer` run's cache hit ratio, latency and quality."""
+    from lazyrag.report import render_stats, stats_json
+
+    try:
+        data = stats_json(store)
+    except _known_errors() as exc:
+        _fail(exc)
+    if as_json:
+        print(json.dumps(data, indent=2))
+    else:
+        render_stats(data, out)
+
+
+def main():  # pragma: no cover
+    app()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,46 @@
+"""Settings for each command, with every default in one place."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+DEFAULT_STORE = Path("lazyrag.zarr")
+
+
+@dataclass
+class IndexConfig:
+    corpus: Path
+    store: Path = DEFAULT_STORE
+    model: str = "smollm2-135m"
+    device: str = "auto"
+    dtype: str = "auto"
+    # A retrieval paragraph usually fits whole in 512 tokens; longer chunks mean fewer
+    # chunk boundaries, which is where `lazy` loses attention between chunks.
+    chunk_tokens: int = 512
+    page_size: int = 16           # measured in scripts/bench_kernels.py
+    batch_tokens: int = 8192      # chunk tokens per forward pass
+    skip_bad: bool = False
+    trust_remote_code: bool = False
+
+
+@dataclass
+class AnswerConfig:
+    queries: Path
+    store: Path = DEFAULT_STORE
+    out: Path = Path("answers.jsonl")
+    mode: str = "lazy"            # lazy | block | full
+    top_k: int = 5
+    max_new_tokens: int = 32
+    cache_gb: float = 4.0         # GPU page pool
+    host_cache_gb: float = 0.0    # optional pinned host tier between disk and GPU
+    batch_size: int = 32          # most requests in flight
+    device: str = "auto"
+    temperature: float = 0.0      # 0 = greedy
+    top_p: float = 1.0
+    seed: int = 0
+    prefetch: int = 64            # queries to look ahead when prefetching chunks
+    trust_remote_code: bool = False
+
+
+MODES = ("lazy", "block", "full")

@@ -1,0 +1,204 @@
+"""`lazyrag index`: corpus -> chunks -> model -> store.
+
+Each chunk is encoded once, after the store's preamble, at chunk-local positions
+(P .. P+L-1): it attends to the preamble and to itself. Its keys are stored rotated
+at those positions, so the engine can later place it at any offset by shifting the
+query's rotation instead of touching the keys. Many chunks share one forward pass;
+a writer thread appends finished batches to the store while the next batch runs.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+
+from lazyrag.config import IndexConfig
+from lazyrag.corpus import CorpusStats, chunk_document, read_corpus
+from lazyrag.models import LoadedModel, load_model
+from lazyrag.paged import PagedAttention, PagePool, page_refs, slots_for
+from lazyrag.prompt import PromptFormat
+from lazyrag.store import NewChunk, Store, StoreSettings, chunk_id_for
+
+SPLITTER = "paragraph-sentence-v1"
+ENCODING = {"attend": "preamble+self", "positions": "chunk-local after preamble"}
+
+
+@dataclass
+class IndexResult:
+    store: str
+    chunks_added: int
+    chunks_total: int
+    tokens_added: int
+    tokens_total: int
+    documents_total: int
+    documents_empty: int
+    bad_skipped: int
+    seconds: float
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def store_settings(loaded: LoadedModel, name: str, chunk_tokens: int, page_size: int) -> StoreSettings:
+    fmt = PromptFormat(loaded.tokenizer)
+    cfg = loaded.cfg
+    return StoreSettings(
+        model=name, fingerprint=loaded.fingerprint, kv_dtype=str(loaded.dtype).removeprefix("torch."),
+        num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, page_size=page_size,
+        preamble_ids=tuple(fmt.preamble_ids()), rope=dict(cfg.rope),
+        chunking={"chunk_tokens": chunk_tokens, "splitter": SPLITTER, "separator_ids": fmt.separator_ids()},
+        encoding=ENCODING,
+    )
+
+
+class ChunkEncoder:
+    """Runs the model over batches of chunks that all follow the preamble."""
+
+    def __init__(self, loaded: LoadedModel, preamble_ids: list[int], page_size: int, batch_pages: int):
+        self.loaded = loaded
+        cfg = loaded.cfg
+        self.preamble_len = len(preamble_ids)
+        pre_pages = -(-self.preamble_len // page_size)
+        self.pool = PagePool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, pre_pages + batch_pages, page_size,
+                             loaded.dtype, loaded.device)
+        self.sm_scale = cfg.head_dim ** -0.5
+        self.preamble = page_refs(self.pool.alloc(pre_pages), 0, self.preamble_len, 0, page_size)
+        self._forward([preamble_ids], [[]], [self.preamble])
+
+    def _forward(self, token_lists: list[list[int]], context: list[list], own: list[list]) -> None:
+        ps = self.pool.page_size
+        positions = torch.cat([torch.arange(r[0].start, r[0].start + len(t)) for t, r in zip(token_lists, own)])
+        slots = [s for t, r in zip(token_lists, own) for s in slots_for(r, 0, len(t), ps)]
+        attention = PagedAttention(self.pool, [c + r for c, r in zip(context, own)], [len(t) for t in token_lists],
+                                   positions, slots, self.loaded.model.inv_freq, self.sm_scale, lazy=True)
+        tokens = torch.tensor([i for t in token_lists for i in t], device=self.loaded.device)
+        self.loaded.model(tokens, positions.to(self.loaded.device), attention)
+
+    def encode(self, token_lists: list[list[int]]) -> torch.Tensor:
+        """KV of each chunk, pages concatenated: [sum of padded lengths, layers, 2, kv_heads, head_dim]."""
+        ps = self.pool.page_size
+        pages = [self.pool.alloc(self.pool.pages_for(len(t))) for t in token_lists]
+        try:
+            own = [page_refs(p, self.preamble_len, len(t), 0, ps) for p, t in zip(pages, token_lists)]
+            self._forward(token_lists, [self.preamble] * len(token_lists), own)
+            return self.pool.read_tokens([p for ps_ in pages for p in ps_])
+        finally:
+            for p in pages:
+                self.pool.release(p)
+
+
+def to_storage(kv: torch.Tensor) -> np.ndarray:
+    """bf16 has no numpy dtype: keep its bits as uint16 (the store records the logical dtype)."""
+    kv = kv.contiguous().cpu()
+    return kv.view(torch.uint16).numpy() if kv.dtype == torch.bfloat16 else kv.numpy()
+
+
+class StoreWriter:
+    """Appends batches on a thread behind a bounded queue, so compute never waits on disk."""
+
+    def __init__(self, store: Store, depth: int = 2):
+        self.store = store
+        self.queue: queue.Queue = queue.Queue(maxsize=depth)
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="lazyrag-writer", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while (item := self.queue.get()) is not None:
+            if self.error is None:
+                try:
+                    self.store.append(*item)
+                except BaseException as exc:  # reported on the main thread
+                    self.error = exc
+
+    def put(self, chunks: list[NewChunk], kv: np.ndarray) -> None:
+        self._check()
+        self.queue.put((chunks, kv))
+
+    def close(self) -> None:
+        self.queue.put(None)
+        self.thread.join()
+        self._check()
+
+    def _check(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+
+def build_index(cfg: IndexConfig, report=print, progress: bool = True) -> IndexResult:
+    t0 = time.perf_counter()
+    loaded = load_model(cfg.model, cfg.device, cfg.dtype, cfg.trust_remote_code)
+    settings = store_settings(loaded, cfg.model, cfg.chunk_tokens, cfg.page_size)
+    store = Store.create_or_open(cfg.store, settings)
+    separator = list(settings.chunking["separator_ids"])
+
+    # Chunk the whole corpus first: cheap next to the model, and it gives the bar a total.
+    stats = CorpusStats()
+    todo: dict[str, NewChunk] = {}
+    doc_ids = []
+    for doc in read_corpus(cfg.corpus, skip_bad=cfg.skip_bad, report=report, stats=stats):
+        doc_ids.append(doc.id)
+        for ordinal, chunk in enumerate(chunk_document(doc.model_text, loaded.tokenizer, cfg.chunk_tokens)):
+            ids = tuple(chunk.token_ids) + tuple(separator)
+            cid = chunk_id_for(settings, ids)
+            if cid not in todo and not store.has_chunk(cid):
+                todo[cid] = NewChunk(cid, doc.id, ordinal, ids, chunk.text)
+    store.note_documents(doc_ids)
+
+    batch_pages = max(cfg.batch_tokens, cfg.chunk_tokens + len(separator)) // cfg.page_size + 1
+    tokens_added = sum(len(c.token_ids) for c in todo.values())
+    if todo:
+        encoder = ChunkEncoder(loaded, list(settings.preamble_ids), cfg.page_size, batch_pages)
+        writer = StoreWriter(store)
+        bar = _bar(len(todo), tokens_added, progress)
+        try:
+            for batch in _batches(list(todo.values()), batch_pages, cfg.page_size):
+                kv = encoder.encode([list(c.token_ids) for c in batch])
+                writer.put(batch, to_storage(kv))
+                bar.update(len(batch), sum(len(c.token_ids) for c in batch))
+        finally:
+            writer.close()
+            bar.close()
+    summary = store.summary()
+    return IndexResult(
+        store=str(cfg.store), chunks_added=len(todo), chunks_total=summary["chunks"], tokens_added=tokens_added,
+        tokens_total=summary["tokens"], documents_total=summary["documents"], documents_empty=stats.empty_skipped,
+        bad_skipped=stats.bad_skipped, seconds=round(time.perf_counter() - t0, 3),
+    )
+
+
+def _batches(chunks: list[NewChunk], batch_pages: int, page_size: int):
+    batch, pages = [], 0
+    for c in chunks:
+        need = -(-len(c.token_ids) // page_size)
+        if batch and pages + need > batch_pages:
+            yield batch
+            batch, pages = [], 0
+        batch.append(c)
+        pages += need
+    if batch:
+        yield batch
+
+
+class _bar:
+    """tqdm over chunks, with tokens/s beside it (stderr; silent when progress is off)."""
+
+    def __init__(self, chunks: int, tokens: int, enabled: bool):
+        from tqdm import tqdm
+
+        self.t0 = time.perf_counter()
+        self.tokens = 0
+        self.tqdm = tqdm(total=chunks, unit="chunk", desc="index", disable=not enabled, dynamic_ncols=True)
+
+    def update(self, chunks: int, tokens: int) -> None:
+        self.tokens += tokens
+        self.tqdm.set_postfix_str(f"{self.tokens / (time.perf_counter() - self.t0):,.0f} tok/s", refresh=False)
+        self.tqdm.update(chunks)
+
+    def close(self) -> None:
+        self.tqdm.close()

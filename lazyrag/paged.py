@@ -1,0 +1,155 @@
+"""Paged KV memory and the attention step that runs over it.
+
+`PagePool` is the memory: one tensor [2 (k/v), layers, num_pages, page_size,
+kv_heads, head_dim] and a free list (k/v outermost, so all layers' key pages form
+one [layers * num_pages, ...] array: block mode copies every layer in one launch). A request sees the pool through a list of
+`PageRef`s: which physical page, its rotation shift `delta`, the stored position
+of its first token and how many of its tokens are valid. `PagedAttention` is the
+callable the model's layers call: it writes the step's new K/V into their slots,
+then runs the kernels over each request's page list.
+
+Every mode uses this one path; they differ only in the page lists they build and
+in whether the kernel rotates queries per page (`lazy`) or the keys already sit
+at their logical positions (`block`, `full`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+import kernels
+from lazyrag.models import rotate
+
+
+class OutOfPages(RuntimeError):
+    pass
+
+
+class PagePool:
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_pages: int, page_size: int,
+                 dtype: torch.dtype, device: torch.device):
+        self.page_size = page_size
+        self.kv = torch.zeros(2, num_layers, num_pages, page_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+        self.free_pages = list(range(num_pages - 1, -1, -1))
+        self.num_pages = num_pages
+        self.peak_used = 0
+
+    @classmethod
+    def for_bytes(cls, budget_bytes: float, num_layers, num_kv_heads, head_dim, page_size, dtype, device) -> "PagePool":
+        per_page = num_layers * 2 * page_size * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
+        return cls(num_layers, num_kv_heads, head_dim, max(1, int(budget_bytes // per_page)), page_size, dtype, device)
+
+    @property
+    def bytes_per_page(self) -> int:
+        return self.kv[:, :, 0].numel() * self.kv.element_size()
+
+    @property
+    def num_layers(self) -> int:
+        return self.kv.shape[1]
+
+    @property
+    def used(self) -> int:
+        return self.num_pages - len(self.free_pages)
+
+    def pages_for(self, tokens: int) -> int:
+        return -(-tokens // self.page_size)
+
+    def alloc(self, n: int) -> list[int]:
+        if n > len(self.free_pages):
+            raise OutOfPages(f"need {n} pages, {len(self.free_pages)} free of {self.num_pages}")
+        pages = [self.free_pages.pop() for _ in range(n)]
+        self.peak_used = max(self.peak_used, self.used)
+        return pages
+
+    def release(self, pages: list[int]) -> None:
+        self.free_pages.extend(reversed(pages))
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.kv[0, i], self.kv[1, i]
+
+    def all_layers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Key and value pages of every layer as [layers * num_pages, page_size, kv_heads, head_dim];
+        page p of layer l is row l * num_pages + p."""
+        return self.kv[0].flatten(0, 1), self.kv[1].flatten(0, 1)
+
+    def write_tokens(self, pages: list[int], kv: torch.Tensor) -> None:
+        """kv in the store's layout [tokens (whole pages), layers, 2, kv_heads, head_dim]."""
+        n = len(pages)
+        x = kv.view(n, self.page_size, *kv.shape[1:]).permute(3, 2, 0, 1, 4, 5)
+        self.kv[:, :, torch.tensor(pages, device=self.kv.device)] = x.to(self.kv.device, non_blocking=True)
+
+    def read_tokens(self, pages: list[int]) -> torch.Tensor:
+        """The inverse of write_tokens: [len(pages) * page_size, layers, 2, kv_heads, head_dim]."""
+        x = self.kv[:, :, torch.tensor(pages, device=self.kv.device)]
+        return x.permute(2, 3, 1, 0, 4, 5).reshape(len(pages) * self.page_size, x.shape[1], 2, *x.shape[4:])
+
+
+@dataclass(frozen=True)
+class PageRef:
+    page: int
+    delta: int      # logical position - stored position
+    start: int      # stored position of the page's first token
+    length: int     # valid tokens
+
+
+def page_refs(pages: list[int], start: int, tokens: int, delta: int, page_size: int) -> list[PageRef]:
+    """Refs for a run of `tokens` tokens stored from position `start` in consecutive pages."""
+    refs = []
+    for i, page in enumerate(pages):
+        n = min(page_size, tokens - i * page_size)
+        if n <= 0:
+            break
+        refs.append(PageRef(page, delta, start + i * page_size, n))
+    return refs
+
+
+def page_table(requests: list[list[PageRef]], device: torch.device) -> kernels.PageTable:
+    width = max(1, max(len(r) for r in requests))
+    cols = torch.zeros(4, len(requests), width, dtype=torch.int32)
+    for b, refs in enumerate(requests):
+        if refs:
+            cols[:, b, : len(refs)] = torch.tensor([[r.page, r.delta, r.start, r.length] for r in refs],
+                                                   dtype=torch.int32).T
+    cols = cols.to(device)
+    count = torch.tensor([len(r) for r in requests], dtype=torch.int32, device=device)
+    return kernels.PageTable(ids=cols[0], delta=cols[1], start=cols[2], length=cols[3], count=count)
+
+
+def slots_for(refs: list[PageRef], first: int, n: int, page_size: int) -> list[int]:
+    """Flat pool slots (page * page_size + offset) of tokens first..first+n-1 of a run of refs."""
+    return [refs[i // page_size].page * page_size + i % page_size for i in range(first, first + n)]
+
+
+class PagedAttention:
+    """The attention of one forward step over the pool (see the module docstring).
+
+    q_lens: new tokens per request (all 1 in decode); positions: their logical
+    positions; slots: where their K/V go; lazy: rotate queries per page in the kernel.
+    """
+
+    def __init__(self, pool: PagePool, requests: list[list[PageRef]], q_lens: list[int],
+                 positions: torch.Tensor, slots: list[int], inv_freq: torch.Tensor, sm_scale: float, lazy: bool):
+        dev = pool.kv.device
+        self.pool = pool
+        self.pages = page_table(requests, dev)
+        self.positions = positions.to(device=dev, dtype=torch.int32)
+        self.slots = torch.tensor(slots, dtype=torch.long, device=dev)
+        self.decode = all(n == 1 for n in q_lens)
+        cu = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
+        cu[1:] = torch.tensor(q_lens).cumsum(0)
+        self.cu_seqlens = cu.to(dev)
+        self.inv_freq, self.sm_scale, self.lazy = inv_freq, sm_scale, lazy
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        k_pages, v_pages = self.pool.layer(layer)
+        k_pages.view(-1, *k_pages.shape[2:])[self.slots] = k
+        v_pages.view(-1, *v_pages.shape[2:])[self.slots] = v
+        if not self.lazy:  # keys sit at logical positions: rotate q once, like any engine
+            q = rotate(q, self.positions, self.inv_freq)
+        if self.decode:
+            return kernels.lazy_decode(q, k_pages, v_pages, self.pages, self.positions, self.inv_freq,
+                                       self.sm_scale, rotate=self.lazy)
+        return kernels.lazy_prefill(q, k_pages, v_pages, self.pages, self.cu_seqlens, self.positions,
+                                    self.inv_freq, self.sm_scale, rotate=self.lazy)

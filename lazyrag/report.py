@@ -1,0 +1,71 @@
+"""`lazyrag stats`: the store and its run log, as JSON for scripts or tables for people."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from lazyrag.store import Store
+
+
+def stats_json(store_path: Path) -> dict:
+    store = Store.open(store_path)
+    runs = store.runs()
+    return {"store": store.summary(), "runs": runs, "overall": overall(runs)}
+
+
+def overall(runs: list[dict]) -> dict:
+    """Counters summed over runs, ratios recomputed from the sums (not averaged)."""
+    keys = ("lookups", "hits", "misses", "lookup_tokens", "hit_tokens", "bytes_read", "bytes_to_gpu", "evictions")
+    cache = {k: sum(r["cache"].get(k, 0) for r in runs) for k in keys}
+    cache["hit_ratio"] = round(cache["hits"] / cache["lookups"], 4) if cache["lookups"] else 0.0
+    cache["token_hit_ratio"] = round(cache["hit_tokens"] / cache["lookup_tokens"], 4) if cache["lookup_tokens"] else 0.0
+    return {"runs": len(runs), "queries": sum(r["queries"] for r in runs), "cache": cache,
+            "new_tokens": sum(r["new_tokens"] for r in runs)}
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
+
+
+def _ms(d: dict, key: str) -> str:
+    v = d.get(key)
+    return "-" if v is None else f"{v:,.1f}"
+
+
+def render_stats(data: dict, console: Console) -> None:
+    s = data["store"]
+    t = Table(title="store", show_header=False, title_justify="left")
+    for label, value in [("path", s.get("path", "")), ("model", s["model"]), ("fingerprint", s["fingerprint"][:16]),
+                         ("documents", f"{s['documents']:,}"), ("chunks", f"{s['chunks']:,}"),
+                         ("tokens", f"{s['tokens']:,}"), ("on disk", _gb(s["bytes"])), ("kv dtype", s["kv_dtype"]),
+                         ("page size", str(s["page_size"])), ("segments", str(s["segments"])),
+                         ("created", str(s["created"])), ("updated", str(s["updated"]))]:
+        t.add_row(label, str(value))
+    console.print(t)
+    if data["runs"]:
+        runs_table(data["runs"], console)
+    else:
+        console.print("no answer runs yet")
+
+
+def runs_table(runs: list[dict], console: Console) -> None:
+    t = Table(title="answer runs", title_justify="left")
+    for col in ("#", "mode", "queries", "hit ratio", "token hits", "misses", "evictions", "read", "TTFT p50 ms",
+                "TTFT p95 ms", "latency p50 ms", "tok/s", "accuracy", "EM", "F1"):
+        t.add_column(col, justify="right")
+    for i, r in enumerate(runs, 1):
+        c, q = r["cache"], r.get("quality", {})
+        t.add_row(str(i), r["mode"], str(r["queries"]), f"{c['hit_ratio']:.1%}", f"{c['token_hit_ratio']:.1%}",
+                  str(c["misses"]), str(c["evictions"]), _gb(c["bytes_read"]), _ms(r["ttft_ms"], "p50"),
+                  _ms(r["ttft_ms"], "p95"), _ms(r["latency_ms"], "p50"), f"{r['tokens_per_s'] or 0:,.1f}",
+                  f"{q['accuracy']:.1%}" if q else "-", f"{q['em']:.1%}" if q else "-", f"{q['f1']:.3f}" if q else "-")
+    console.print(t)
+
+
+def render_run(record: dict, console: Console) -> None:
+    console.print(f"answered {record['queries']} queries in {record['seconds']:.1f}s -> {record['out']}")
+    if record["queries"]:
+        runs_table([record], console)
