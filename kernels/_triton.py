@@ -15,16 +15,24 @@ from .pages import PageTable
 
 
 @triton.jit
-def _rot_q(q1, q2, qpos, d, invf, DTYPE: tl.constexpr):
-    # R(qpos - d) applied to (q1, q2) in fp32; int32 subtraction first, then to fp32.
+def _load_rot_q(qptr, qmask, qpos, d, invf, offs_h, HALF: tl.constexpr, DTYPE: tl.constexpr):
+    """Load query rows (pointers ``qptr`` [M]) and return R(qpos - d) q as one [M, 2*HALF] tile.
+
+    fp32 rotation: int32 subtraction first, then to fp32; the result is cast to DTYPE for the dot.
+    """
+    q1 = tl.load(qptr[:, None] + offs_h[None, :], mask=qmask[:, None], other=0.0).to(tl.float32)
+    q2 = tl.load(qptr[:, None] + HALF + offs_h[None, :], mask=qmask[:, None], other=0.0).to(tl.float32)
     ang = (qpos - d).to(tl.float32)[:, None] * invf[None, :]
     c = tl.cos(ang)
     s = tl.sin(ang)
-    return (q1 * c - q2 * s).to(DTYPE), (q2 * c + q1 * s).to(DTYPE)
+    r1 = (q1 * c - q2 * s).to(DTYPE)
+    r2 = (q2 * c + q1 * s).to(DTYPE)
+    M: tl.constexpr = r1.shape[0]
+    return tl.reshape(tl.permute(tl.join(r1, r2), (0, 2, 1)), (M, 2 * HALF))
 
 
 @triton.jit
-def _attn_blocks(q1, q2, qpos, invf, acc, m_i, l_i,
+def _attn_blocks(qptr, qmask, qpos, invf, acc, m_i, l_i,
                  K, V, ids_row, delta_row, start_row, len_row, n_pages, kvh,
                  blk_lo, blk_hi,
                  stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
@@ -32,10 +40,15 @@ def _attn_blocks(q1, q2, qpos, invf, acc, m_i, l_i,
                  DTYPE: tl.constexpr, PS: tl.constexpr, HALF: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROTATE: tl.constexpr,
                  PREC: tl.constexpr):
-    """Online-softmax over key blocks [blk_lo, blk_hi) of one request (BLOCK_N keys each).
+    """Online softmax over key blocks [blk_lo, blk_hi) of one request (BLOCK_N keys each).
 
-    q1, q2: [BLOCK_M, HALF] fp32 query halves (un-rotated if ROTATE else already rotated).
+    qptr: [BLOCK_M] pointers to the query rows (un-rotated if ROTATE, else already rotated).
     qpos: [BLOCK_M] int32 logical query positions. acc: [BLOCK_M, 2*HALF] fp32.
+    The rotated query is kept for the current run of same-delta pages and recomputed only
+    when the delta changes. A key block that straddles pages of different deltas (rare:
+    partial pages, chunk boundaries inside a block) is handled exactly by rotating the
+    loaded keys of the other pages, in registers, by (their delta - current delta):
+    <R(m - d0) q, R(d_i - d0) k> == <R(m - d_i) q, k>.
     """
     PPB: tl.constexpr = BLOCK_N // PS
     offs_n = tl.arange(0, BLOCK_N)
@@ -44,12 +57,10 @@ def _attn_blocks(q1, q2, qpos, invf, acc, m_i, l_i,
     offs_h = tl.arange(0, HALF)
     offs_d = tl.arange(0, 2 * HALF)
     if ROTATE:
-        d0 = tl.load(delta_row + blk_lo * PPB, mask=blk_lo * PPB < n_pages, other=0)
-        cur_d = d0
-        q1r, q2r = _rot_q(q1, q2, qpos, d0, invf, DTYPE)
+        cur_d = tl.load(delta_row + blk_lo * PPB, mask=blk_lo * PPB < n_pages, other=0)
+        q = _load_rot_q(qptr, qmask, qpos, cur_d, invf, offs_h, HALF, DTYPE)
     else:
-        q1r = q1.to(DTYPE)
-        q2r = q2.to(DTYPE)
+        q = tl.load(qptr[:, None] + offs_d[None, :], mask=qmask[:, None], other=0.0).to(DTYPE)
     for blk in range(blk_lo, blk_hi):
         e = blk * PPB + row_page
         emask = e < n_pages
@@ -60,30 +71,30 @@ def _attn_blocks(q1, q2, qpos, invf, acc, m_i, l_i,
         kvalid = emask & (row_tok < ln)
         kpos = st + dl + row_tok
         krow = pid.to(tl.int64) * stride_kp + row_tok * stride_kt + kvh * stride_kh
-        k1 = tl.load(K + krow[:, None] + offs_h[None, :], mask=kvalid[:, None], other=0.0)
-        k2 = tl.load(K + krow[:, None] + HALF + offs_h[None, :], mask=kvalid[:, None], other=0.0)
+        # unmasked: every row address is inside the pool (entries past count read page 0); scores of
+        # invalid rows are replaced by -inf below, so junk in padding rows is harmless
+        k = tl.load(K + krow[:, None] + offs_d[None, :])
         if ROTATE:
+            d_first = tl.load(delta_row + blk * PPB)
+            if d_first != cur_d:
+                q = _load_rot_q(qptr, qmask, qpos, d_first, invf, offs_h, HALF, DTYPE)
+                cur_d = d_first
             dmin = tl.min(tl.where(emask, dl, 2147483647), axis=0)
             dmax = tl.max(tl.where(emask, dl, -2147483647), axis=0)
-            if dmin == dmax:
-                if dmin != cur_d:
-                    q1r, q2r = _rot_q(q1, q2, qpos, dmin, invf, DTYPE)
-                    cur_d = dmin
-                s = tl.dot(q1r, tl.trans(k1), input_precision=PREC)
-                s = tl.dot(q2r, tl.trans(k2), s, input_precision=PREC)
+            if dmin != dmax:
+                k1 = tl.load(K + krow[:, None] + offs_h[None, :]).to(tl.float32)
+                k2 = tl.load(K + krow[:, None] + HALF + offs_h[None, :]).to(tl.float32)
+                ang = (dl - cur_d).to(tl.float32)[:, None] * invf[None, :]
+                c = tl.cos(ang)
+                sn = tl.sin(ang)
+                r1 = (k1 * c - k2 * sn).to(DTYPE)
+                r2 = (k2 * c + k1 * sn).to(DTYPE)
+                kr = tl.reshape(tl.permute(tl.join(r1, r2), (0, 2, 1)), (BLOCK_N, 2 * HALF))
+                s = tl.dot(q, tl.trans(kr), input_precision=PREC)
             else:
-                # Rare: this key block straddles pages of different deltas.
-                s = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-                for i in tl.static_range(PPB):
-                    ei = blk * PPB + i
-                    di = tl.load(delta_row + ei, mask=ei < n_pages, other=0)
-                    a1, a2 = _rot_q(q1, q2, qpos, di, invf, DTYPE)
-                    si = tl.dot(a1, tl.trans(k1), input_precision=PREC)
-                    si = tl.dot(a2, tl.trans(k2), si, input_precision=PREC)
-                    s = tl.where(row_page[None, :] == i, si, s)
+                s = tl.dot(q, tl.trans(k), input_precision=PREC)
         else:
-            s = tl.dot(q1r, tl.trans(k1), input_precision=PREC)
-            s = tl.dot(q2r, tl.trans(k2), s, input_precision=PREC)
+            s = tl.dot(q, tl.trans(k), input_precision=PREC)
         vis = kvalid[None, :] & (kpos[None, :] <= qpos[:, None])
         s = tl.where(vis, s * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -118,9 +129,7 @@ def _prefill_kernel(Q, K, V, O, IDS, DELTA, START, LEN, COUNT, CU, QPOS, INVF,
         mmask = offs_m < q_end
         offs_h = tl.arange(0, HALF)
         offs_d = tl.arange(0, 2 * HALF)
-        qrow = offs_m.to(tl.int64) * stride_qt + h * stride_qh
-        q1 = tl.load(Q + qrow[:, None] + offs_h[None, :], mask=mmask[:, None], other=0.0).to(tl.float32)
-        q2 = tl.load(Q + qrow[:, None] + HALF + offs_h[None, :], mask=mmask[:, None], other=0.0).to(tl.float32)
+        qptr = Q + offs_m.to(tl.int64) * stride_qt + h * stride_qh
         qpos = tl.load(QPOS + offs_m, mask=mmask, other=0)
         invf = tl.load(INVF + offs_h)
         n_pages = tl.load(COUNT + b)
@@ -129,7 +138,7 @@ def _prefill_kernel(Q, K, V, O, IDS, DELTA, START, LEN, COUNT, CU, QPOS, INVF,
         m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         tb = b.to(tl.int64) * stride_tb
-        acc, m_i, l_i = _attn_blocks(q1, q2, qpos, invf, acc, m_i, l_i,
+        acc, m_i, l_i = _attn_blocks(qptr, mmask, qpos, invf, acc, m_i, l_i,
                                      K, V, IDS + tb, DELTA + tb, START + tb, LEN + tb, n_pages, kvh,
                                      0, n_blk,
                                      stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
@@ -156,9 +165,7 @@ def _decode_split_kernel(Q, K, V, OP, LSE, IDS, DELTA, START, LEN, COUNT, QPOS, 
     heads = kvh * GROUP + offs_g
     offs_h = tl.arange(0, HALF)
     offs_d = tl.arange(0, 2 * HALF)
-    qrow = b.to(tl.int64) * stride_qb + heads * stride_qh
-    q1 = tl.load(Q + qrow[:, None] + offs_h[None, :], mask=gmask[:, None], other=0.0).to(tl.float32)
-    q2 = tl.load(Q + qrow[:, None] + HALF + offs_h[None, :], mask=gmask[:, None], other=0.0).to(tl.float32)
+    qptr = Q + b.to(tl.int64) * stride_qb + heads * stride_qh
     qpos = tl.load(QPOS + b + offs_g * 0)
     invf = tl.load(INVF + offs_h)
     n_pages = tl.load(COUNT + b)
@@ -170,7 +177,7 @@ def _decode_split_kernel(Q, K, V, OP, LSE, IDS, DELTA, START, LEN, COUNT, QPOS, 
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     tb = b.to(tl.int64) * stride_tb
     if lo < hi:
-        acc, m_i, l_i = _attn_blocks(q1, q2, qpos, invf, acc, m_i, l_i,
+        acc, m_i, l_i = _attn_blocks(qptr, gmask, qpos, invf, acc, m_i, l_i,
                                      K, V, IDS + tb, DELTA + tb, START + tb, LEN + tb, n_pages, kvh,
                                      lo, hi,
                                      stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,

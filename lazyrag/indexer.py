@@ -14,7 +14,6 @@ import threading
 import time
 from dataclasses import asdict, dataclass
 
-import numpy as np
 import torch
 
 from lazyrag.config import IndexConfig
@@ -22,7 +21,7 @@ from lazyrag.corpus import CorpusStats, chunk_document, read_corpus
 from lazyrag.models import LoadedModel, load_model
 from lazyrag.paged import PagedAttention, PagePool, page_refs, slots_for
 from lazyrag.prompt import PromptFormat
-from lazyrag.store import NewChunk, Store, StoreSettings, chunk_id_for
+from lazyrag.store import NewChunk, Store, StoreSettings, chunk_id_for, kv_to_storage
 
 SPLITTER = "paragraph-sentence-v1"
 ENCODING = {"attend": "preamble+self", "positions": "chunk-local after preamble"}
@@ -86,16 +85,17 @@ class ChunkEncoder:
         try:
             own = [page_refs(p, self.preamble_len, len(t), 0, ps) for p, t in zip(pages, token_lists)]
             self._forward(token_lists, [self.preamble] * len(token_lists), own)
-            return self.pool.read_tokens([p for ps_ in pages for p in ps_])
+            kv = self.pool.read_tokens([p for ps_ in pages for p in ps_])
+            # zero each chunk's page padding: reused pages hold old tokens, and the store should
+            # not depend on what ran before
+            row = 0
+            for p, t in zip(pages, token_lists):
+                kv[row + len(t): row + len(p) * ps] = 0
+                row += len(p) * ps
+            return kv
         finally:
             for p in pages:
                 self.pool.release(p)
-
-
-def to_storage(kv: torch.Tensor) -> np.ndarray:
-    """bf16 has no numpy dtype: keep its bits as uint16 (the store records the logical dtype)."""
-    kv = kv.contiguous().cpu()
-    return kv.view(torch.uint16).numpy() if kv.dtype == torch.bfloat16 else kv.numpy()
 
 
 class StoreWriter:
@@ -112,11 +112,13 @@ class StoreWriter:
         while (item := self.queue.get()) is not None:
             if self.error is None:
                 try:
-                    self.store.append(*item)
+                    chunks, kv = item
+                    # the device-to-host copy happens here too, off the compute thread
+                    self.store.append(chunks, kv_to_storage(kv))
                 except BaseException as exc:  # reported on the main thread
                     self.error = exc
 
-    def put(self, chunks: list[NewChunk], kv: np.ndarray) -> None:
+    def put(self, chunks: list[NewChunk], kv: torch.Tensor) -> None:
         self._check()
         self.queue.put((chunks, kv))
 
@@ -134,21 +136,31 @@ def build_index(cfg: IndexConfig, report=print, progress: bool = True) -> IndexR
     t0 = time.perf_counter()
     loaded = load_model(cfg.model, cfg.device, cfg.dtype, cfg.trust_remote_code)
     settings = store_settings(loaded, cfg.model, cfg.chunk_tokens, cfg.page_size)
-    store = Store.create_or_open(cfg.store, settings)
+    with Store.create_or_open(cfg.store, settings) as store:
+        return _index_into(store, loaded, settings, cfg, report, progress, t0)
+
+
+def _index_into(store: Store, loaded: LoadedModel, settings: StoreSettings, cfg: IndexConfig, report,
+                progress: bool, t0: float) -> IndexResult:
     separator = list(settings.chunking["separator_ids"])
 
     # Chunk the whole corpus first: cheap next to the model, and it gives the bar a total.
     stats = CorpusStats()
     todo: dict[str, NewChunk] = {}
+    shared: list[NewChunk] = []
     doc_ids = []
     for doc in read_corpus(cfg.corpus, skip_bad=cfg.skip_bad, report=report, stats=stats):
         doc_ids.append(doc.id)
         for ordinal, chunk in enumerate(chunk_document(doc.model_text, loaded.tokenizer, cfg.chunk_tokens)):
             ids = tuple(chunk.token_ids) + tuple(separator)
             cid = chunk_id_for(settings, ids)
+            new = NewChunk(cid, doc.id, ordinal, ids, chunk.text)
             if cid not in todo and not store.has_chunk(cid):
-                todo[cid] = NewChunk(cid, doc.id, ordinal, ids, chunk.text)
+                todo[cid] = new
+            else:  # the same text elsewhere: one stored copy, referenced by both documents
+                shared.append(new)
     store.note_documents(doc_ids)
+    store.link(shared)
 
     batch_pages = max(cfg.batch_tokens, cfg.chunk_tokens + len(separator)) // cfg.page_size + 1
     tokens_added = sum(len(c.token_ids) for c in todo.values())
@@ -159,7 +171,7 @@ def build_index(cfg: IndexConfig, report=print, progress: bool = True) -> IndexR
         try:
             for batch in _batches(list(todo.values()), batch_pages, cfg.page_size):
                 kv = encoder.encode([list(c.token_ids) for c in batch])
-                writer.put(batch, to_storage(kv))
+                writer.put(batch, kv)
                 bar.update(len(batch), sum(len(c.token_ids) for c in batch))
         finally:
             writer.close()

@@ -275,7 +275,6 @@ class Store:
         self.settings = settings
         self._attrs = attrs
         self._writable = writable
-        self._lock_fd = lock_fd
         self._storage = storage_dtype(settings.kv_dtype)
         self._row_bytes = int(np.prod(settings.row_shape)) * self._storage.itemsize
         self._db_lock = threading.RLock()
@@ -285,6 +284,7 @@ class Store:
         self._db.executescript(_SCHEMA)
         self._segments: dict[str, _Segment] = {}
         self._seg_lock = threading.Lock()
+        self._lock_fd = lock_fd  # last: a Store that failed to construct never closes it
 
     # -- opening -------------------------------------------------------------
 
@@ -311,7 +311,11 @@ class Store:
         except BaseException:
             os.close(lock_fd)
             raise
-        store._delete_orphans()
+        try:
+            store._delete_orphans()
+        except BaseException:
+            store.close()
+            raise
         return store
 
     @classmethod
@@ -392,17 +396,26 @@ class Store:
         return fd
 
     def close(self) -> None:
-        with self._seg_lock:
-            for seg in self._segments.values():
-                if seg.fd is not None:
-                    os.close(seg.fd)
-                    seg.fd = None
-            self._segments.clear()
-        with self._db_lock:
-            self._db.close()
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)
-            self._lock_fd = None
+        """Close files and the catalog and release the write lock (idempotent)."""
+        try:
+            with self._seg_lock:
+                for seg in self._segments.values():
+                    if seg.fd is not None:
+                        os.close(seg.fd)
+                        seg.fd = None
+                self._segments.clear()
+            with self._db_lock:
+                self._db.close()
+        finally:
+            if self._lock_fd is not None:
+                os.close(self._lock_fd)
+                self._lock_fd = None
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
 
     def __enter__(self) -> Store:
         return self
@@ -573,14 +586,12 @@ class Store:
         db.executemany("INSERT INTO documents VALUES (?, ?)", new)
 
     def link(self, chunks: Sequence[NewChunk]) -> None:
-        """Record (doc_id, ordinal) -> chunk references for chunks already stored
-        (a document that shares chunks with one indexed before). StoreError if one
-        is not stored."""
+        """Record (doc_id, ordinal) -> chunk references without writing KV: for a
+        document whose chunks are stored already (shared with another document), or
+        are still on their way to the store. A reference shows in ``doc_chunks`` once
+        its chunk is stored. Its document counts in ``documents()`` at once."""
         self._check_writable()
         with self._db_lock:
-            missing = [c.chunk_id for c in chunks if not self.has_chunk(c.chunk_id)]
-            if missing:
-                raise StoreError(f"cannot link chunks that are not stored: {', '.join(missing[:5])}")
             self._db.execute("BEGIN IMMEDIATE")
             try:
                 self._insert_refs(self._db, [(c.doc_id, c.ordinal, c.chunk_id) for c in chunks])
@@ -718,7 +729,7 @@ class Store:
     def read_kv(self, chunk: ChunkInfo, out: torch.Tensor | None = None) -> torch.Tensor:
         """A chunk's KV: ``[padded_length, num_layers, 2, num_kv_heads, head_dim]`` in
         the logical dtype (K rotated at chunk-local positions, then V). Rows past
-        ``length`` are padding (zeros). With ``out`` (a contiguous CPU tensor of that
+        ``length`` are padding, as the writer gave them. With ``out`` (a contiguous CPU tensor of that
         shape and dtype, e.g. pinned memory) the data is read into it and it is returned.
         Safe to call from several threads.
         """
