@@ -39,7 +39,7 @@ def _attn_blocks(qptr, qmask, qpos, invf, acc, m_i, l_i,
                  qk_scale,
                  DTYPE: tl.constexpr, PS: tl.constexpr, HALF: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROTATE: tl.constexpr,
-                 PREC: tl.constexpr):
+                 PREC: tl.constexpr, IDX64: tl.constexpr):
     """Online softmax over key blocks [blk_lo, blk_hi) of one request (BLOCK_N keys each).
 
     qptr: [BLOCK_M] pointers to the query rows (un-rotated if ROTATE, else already rotated).
@@ -51,6 +51,7 @@ def _attn_blocks(qptr, qmask, qpos, invf, acc, m_i, l_i,
     <R(m - d0) q, R(d_i - d0) k> == <R(m - d_i) q, k>.
     """
     PPB: tl.constexpr = BLOCK_N // PS
+    qmin = tl.min(tl.where(qmask, qpos, 2147483647), axis=0)
     offs_n = tl.arange(0, BLOCK_N)
     row_page = offs_n // PS
     row_tok = offs_n % PS
@@ -70,7 +71,9 @@ def _attn_blocks(qptr, qmask, qpos, invf, acc, m_i, l_i,
         ln = tl.load(len_row + e, mask=emask, other=0)
         kvalid = emask & (row_tok < ln)
         kpos = st + dl + row_tok
-        krow = pid.to(tl.int64) * stride_kp + row_tok * stride_kt + kvh * stride_kh
+        if IDX64:
+            pid = pid.to(tl.int64)
+        krow = pid * stride_kp + row_tok * stride_kt + kvh * stride_kh
         # unmasked: every row address is inside the pool (entries past count read page 0); scores of
         # invalid rows are replaced by -inf below, so junk in padding rows is harmless
         k = tl.load(K + krow[:, None] + offs_d[None, :])
@@ -95,13 +98,16 @@ def _attn_blocks(qptr, qmask, qpos, invf, acc, m_i, l_i,
                 s = tl.dot(q, tl.trans(k), input_precision=PREC)
         else:
             s = tl.dot(q, tl.trans(k), input_precision=PREC)
-        vis = kvalid[None, :] & (kpos[None, :] <= qpos[:, None])
-        s = tl.where(vis, s * qk_scale, float("-inf"))
+        s = s * qk_scale
+        # mask only blocks that need it (padding rows, or keys after the earliest query)
+        kmax = tl.max(tl.where(kvalid, kpos, 2147483647), axis=0)
+        if kmax > qmin:
+            s = tl.where(kvalid[None, :] & (kpos[None, :] <= qpos[:, None]), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        vrow = pid.to(tl.int64) * stride_vp + row_tok * stride_vt + kvh * stride_vh
+        vrow = pid * stride_vp + row_tok * stride_vt + kvh * stride_vh
         v = tl.load(V + vrow[:, None] + offs_d[None, :], mask=kvalid[:, None], other=0.0)
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(DTYPE), v, acc, input_precision=PREC)
@@ -116,7 +122,7 @@ def _prefill_kernel(Q, K, V, O, IDS, DELTA, START, LEN, COUNT, CU, QPOS, INVF,
                     qk_scale,
                     GROUP: tl.constexpr, DTYPE: tl.constexpr, PS: tl.constexpr, HALF: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROTATE: tl.constexpr,
-                    PREC: tl.constexpr):
+                    PREC: tl.constexpr, IDX64: tl.constexpr):
     h = tl.program_id(0)
     b = tl.program_id(1)
     tile = tl.program_id(2)
@@ -142,7 +148,7 @@ def _prefill_kernel(Q, K, V, O, IDS, DELTA, START, LEN, COUNT, CU, QPOS, INVF,
                                      K, V, IDS + tb, DELTA + tb, START + tb, LEN + tb, n_pages, kvh,
                                      0, n_blk,
                                      stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
-                                     qk_scale, DTYPE, PS, HALF, BLOCK_M, BLOCK_N, ROTATE, PREC)
+                                     qk_scale, DTYPE, PS, HALF, BLOCK_M, BLOCK_N, ROTATE, PREC, IDX64)
         l_safe = tl.where(l_i > 0, l_i, 1.0)
         o = tl.where(l_i[:, None] > 0, acc / l_safe[:, None], 0.0)
         orow = offs_m.to(tl.int64) * stride_ot + h * stride_oh
@@ -156,7 +162,7 @@ def _decode_split_kernel(Q, K, V, OP, LSE, IDS, DELTA, START, LEN, COUNT, QPOS, 
                          qk_scale,
                          GROUP: tl.constexpr, DTYPE: tl.constexpr, PS: tl.constexpr, HALF: tl.constexpr,
                          BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
-                         ROTATE: tl.constexpr, PREC: tl.constexpr):
+                         ROTATE: tl.constexpr, PREC: tl.constexpr, IDX64: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
@@ -181,7 +187,7 @@ def _decode_split_kernel(Q, K, V, OP, LSE, IDS, DELTA, START, LEN, COUNT, QPOS, 
                                      K, V, IDS + tb, DELTA + tb, START + tb, LEN + tb, n_pages, kvh,
                                      lo, hi,
                                      stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
-                                     qk_scale, DTYPE, PS, HALF, BLOCK_H, BLOCK_N, ROTATE, PREC)
+                                     qk_scale, DTYPE, PS, HALF, BLOCK_H, BLOCK_N, ROTATE, PREC, IDX64)
     # partial results: OP [B, H, SPLITS, D] (normalised), LSE [B, H, SPLITS] (log2 domain)
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     o = acc / l_safe[:, None]
@@ -247,6 +253,11 @@ def _prec(dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+def _idx64(k_pages, v_pages) -> bool:
+    # int32 page offsets suffice while every element of the pools is addressable in int32
+    return max(k_pages.shape[0] * k_pages.stride(0), v_pages.shape[0] * v_pages.stride(0)) >= 2**31
+
+
 def _num_sms(device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -285,7 +296,7 @@ def lazy_prefill(q, k_pages, v_pages, pages: PageTable, cu_seqlens_q, q_pos, inv
         v_pages.stride(0), v_pages.stride(1), v_pages.stride(2), o.stride(0), o.stride(1), pages.ids.stride(0),
         float(sm_scale) * _LOG2E,
         GROUP=H // Hkv, DTYPE=_TL_DTYPE[q.dtype], PS=PS, HALF=D // 2,
-        BLOCK_M=block_m, BLOCK_N=block_n, ROTATE=bool(rotate), PREC=_prec(q.dtype), num_warps=num_warps, num_stages=num_stages)
+        BLOCK_M=block_m, BLOCK_N=block_n, ROTATE=bool(rotate), PREC=_prec(q.dtype), IDX64=_idx64(k_pages, v_pages), num_warps=num_warps, num_stages=num_stages)
     return o
 
 
@@ -315,7 +326,7 @@ def lazy_decode(q, k_pages, v_pages, pages: PageTable, q_pos, inv_freq, sm_scale
         v_pages.stride(0), v_pages.stride(1), v_pages.stride(2), pages.ids.stride(0), H, blk_per_split,
         float(sm_scale) * _LOG2E,
         GROUP=G, DTYPE=_TL_DTYPE[q.dtype], PS=PS, HALF=D // 2, BLOCK_H=block_h, BLOCK_N=block_n,
-        SPLITS=num_splits, ROTATE=bool(rotate), PREC=_prec(q.dtype), num_warps=num_warps or 4, num_stages=num_stages or 2)
+        SPLITS=num_splits, ROTATE=bool(rotate), PREC=_prec(q.dtype), IDX64=_idx64(k_pages, v_pages), num_warps=num_warps or 4, num_stages=num_stages or 2)
     _decode_merge_kernel[(B, H)](op, lse, o, o.stride(0), o.stride(1), H, D=D, SPLITS=num_splits,
                                  SPLITS_P2=triton.next_power_of_2(num_splits), num_warps=4)
     return o

@@ -113,10 +113,10 @@ class Engine:
                     self.cache.prefetch(r.chunks)
             admitted = self._admit(waiting, running)
             if admitted:
-                self._prefill(admitted)
+                self._accept(admitted, self._prefill(admitted))
                 running.extend(admitted)
             elif running:
-                self._decode(running)
+                self._accept(running, self._decode(running))
             elif waiting:
                 raise OutOfPages("the cache cannot hold a single request: raise --cache-gb")
             else:
@@ -210,22 +210,23 @@ class Engine:
             return self.preamble_ids + [t for c in r.chunks for t in c.token_ids] + r.question_ids
         return r.question_ids
 
-    def _prefill(self, batch: list[Request]) -> None:
+    def _prefill(self, batch: list[Request]) -> torch.Tensor:
+        """Feed the placed requests' prompt tokens; the logits of each one's last token."""
         ids = [self._prompt_own_ids(r) for r in batch]
         own = [self._own_refs(r, len(t)) for r, t in zip(batch, ids)]
         logits = self._forward(ids, [r._context for r in batch], own, [0] * len(batch), lazy=self.mode == "lazy")
         for r, t in zip(batch, ids):
             r._fed = len(t)
-        self._accept(batch, logits)
+        return logits
 
-    def _decode(self, running: list[Request]) -> None:
+    def _decode(self, running: list[Request]) -> torch.Tensor:
         ids = [[r.generated[-1]] for r in running]
         own = [self._own_refs(r, r._fed + 1) for r in running]
         logits = self._forward(ids, [r._context for r in running], own, [r._fed for r in running],
                                lazy=self.mode == "lazy")
         for r in running:
             r._fed += 1
-        self._accept(running, logits)
+        return logits
 
     def _forward(self, token_lists, contexts, owns, first, lazy: bool) -> torch.Tensor:
         """One step: new tokens token_lists[b] go to own slots from index first[b]."""

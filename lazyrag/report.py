@@ -13,7 +13,7 @@ from lazyrag.store import Store
 def stats_json(store_path: Path) -> dict:
     store = Store.open(store_path)
     runs = store.runs()
-    return {"store": store.summary(), "runs": runs, "overall": overall(runs)}
+    return {"path": str(store_path), "store": store.summary(), "runs": runs, "overall": overall(runs)}
 
 
 def overall(runs: list[dict]) -> dict:
@@ -38,7 +38,7 @@ def _ms(d: dict, key: str) -> str:
 def render_stats(data: dict, console: Console) -> None:
     s = data["store"]
     t = Table(title="store", show_header=False, title_justify="left")
-    for label, value in [("path", s.get("path", "")), ("model", s["model"]), ("fingerprint", s["fingerprint"][:16]),
+    for label, value in [("path", data["path"]), ("model", s["model"]), ("fingerprint", s["fingerprint"][:16]),
                          ("documents", f"{s['documents']:,}"), ("chunks", f"{s['chunks']:,}"),
                          ("tokens", f"{s['tokens']:,}"), ("on disk", _gb(s["bytes"])), ("kv dtype", s["kv_dtype"]),
                          ("page size", str(s["page_size"])), ("segments", str(s["segments"])),
@@ -52,16 +52,24 @@ def render_stats(data: dict, console: Console) -> None:
 
 
 def runs_table(runs: list[dict], console: Console) -> None:
+    """Two narrow tables (they must fit an 80-column terminal): speed and quality, then the cache."""
     t = Table(title="answer runs", title_justify="left")
-    for col in ("#", "mode", "queries", "hit ratio", "token hits", "misses", "evictions", "read", "TTFT p50 ms",
-                "TTFT p95 ms", "latency p50 ms", "tok/s", "accuracy", "EM", "F1"):
+    for col in ("#", "mode", "queries", "hit ratio", "TTFT p50/p95 ms", "latency p50 ms", "tok/s", "accuracy", "F1"):
         t.add_column(col, justify="right")
     for i, r in enumerate(runs, 1):
-        c, q = r["cache"], r.get("quality", {})
-        t.add_row(str(i), r["mode"], str(r["queries"]), f"{c['hit_ratio']:.1%}", f"{c['token_hit_ratio']:.1%}",
-                  str(c["misses"]), str(c["evictions"]), _gb(c["bytes_read"]), _ms(r["ttft_ms"], "p50"),
-                  _ms(r["ttft_ms"], "p95"), _ms(r["latency_ms"], "p50"), f"{r['tokens_per_s'] or 0:,.1f}",
-                  f"{q['accuracy']:.1%}" if q else "-", f"{q['em']:.1%}" if q else "-", f"{q['f1']:.3f}" if q else "-")
+        q = r.get("quality", {})
+        t.add_row(str(i), r["mode"], str(r["queries"]), f"{r['cache']['hit_ratio']:.1%}",
+                  f"{_ms(r['ttft_ms'], 'p50')} / {_ms(r['ttft_ms'], 'p95')}", _ms(r["latency_ms"], "p50"),
+                  f"{r['tokens_per_s'] or 0:,.1f}", f"{q['accuracy']:.1%}" if q else "-", f"{q['f1']:.3f}" if q else "-")
+    console.print(t)
+    t = Table(title="cache", title_justify="left")
+    for col in ("#", "lookups", "hits", "misses", "token hits", "evictions", "from disk", "to pool", "peak pages"):
+        t.add_column(col, justify="right")
+    for i, r in enumerate(runs, 1):
+        c = r["cache"]
+        t.add_row(str(i), str(c["lookups"]), str(c["hits"]), str(c["misses"]), f"{c['token_hit_ratio']:.1%}",
+                  str(c["evictions"]), _gb(c["bytes_read"]), _gb(c["bytes_to_gpu"]),
+                  f"{c['peak_pages']}/{c['pool_pages']}")
     console.print(t)
 
 

@@ -333,6 +333,24 @@ def test_decode_interp(interp, name, kw, splits):
         assert rel_err(got, want) < tol(c.q.dtype), rel_err(got, want)
 
 
+def test_empty_request_interp(interp):
+    """A request with no pages at all (count 0) gets zeros; the others are unaffected."""
+    c = make_case(seed=41, H=4, Hkv=2, dtype=torch.float16)
+    c.pages.count[1] = 0
+    want = reference.lazy_prefill(c.q, c.k_pages, c.v_pages, c.pages, c.cu, c.q_pos, c.inv_freq, c.sm_scale)
+    got = kernels.lazy_prefill(c.q, c.k_pages, c.v_pages, c.pages, c.cu, c.q_pos, c.inv_freq, c.sm_scale,
+                               out=torch.full_like(c.q, float("nan")))
+    assert (got[c.cu[1]:c.cu[2]] == 0).all() and (want[c.cu[1]:c.cu[2]] == 0).all()
+    assert rel_err(got, want) < tol(c.q.dtype)
+    c = make_case(seed=42, H=4, Hkv=2, dtype=torch.float16, q_lens=[1, 1, 1])
+    c.pages.count[0] = 0
+    want = reference.lazy_decode(c.q, c.k_pages, c.v_pages, c.pages, c.q_pos, c.inv_freq, c.sm_scale)
+    got = kernels.lazy_decode(c.q, c.k_pages, c.v_pages, c.pages, c.q_pos, c.inv_freq, c.sm_scale,
+                              out=torch.full_like(c.q, float("nan")))
+    assert (got[0] == 0).all() and not torch.isnan(got).any()
+    assert rel_err(got, want) < tol(c.q.dtype)
+
+
 @pytest.mark.parametrize("dtype,PS,Hkv,D", [(torch.float32, 16, 2, 64), (torch.float16, 32, 3, 128),
                                             (torch.float16, 16, 1, 64)])
 def test_rotate_copy_interp(interp, dtype, PS, Hkv, D):
@@ -384,13 +402,13 @@ def _to(c: Case, dtype):
                 c.cu.cuda(), c.q_pos.cuda(), c.inv_freq.cuda(), c.sm_scale, c.lens)
 
 
-GPU_SHAPES = [(32, 8, 128, 16), (32, 8, 128, 64), (9, 3, 64, 32), (24, 8, 128, 64)]
+GPU_CASES = [(torch.bfloat16, 32, 8, 128, 16), (torch.bfloat16, 32, 8, 128, 64), (torch.bfloat16, 9, 3, 64, 32),
+             (torch.bfloat16, 24, 8, 128, 64), (torch.float16, 32, 8, 128, 16), (torch.float16, 8, 8, 64, 16)]
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("H,Hkv,D,PS", GPU_SHAPES)
+@pytest.mark.parametrize("dtype,H,Hkv,D,PS", GPU_CASES)
 def test_gpu_prefill_decode(dtype, H, Hkv, D, PS):
     mod = kernels._triton_module(False)
     mod.POISON_SCRATCH = True

@@ -1,0 +1,358 @@
+#!/usr/bin/env python
+"""Benchmark the lazy-attention kernels on a CUDA GPU (written for the H200).
+
+Rows (Llama-3.1-8B attention 32/8/128 and SmolLM2 9/3/64, bf16):
+  decode  batch 32 x 8,192 (16 chunks of 512 shared among requests), batch 8 x 32,768
+          vs torch SDPA over the same KV pre-rotated and contiguous (no pages, no positions)
+  prefill 8 x 128 question tokens over 8,192 cached, 4 x 256 over 16,384
+          vs torch SDPA with the equivalent mask on pre-rotated contiguous KV
+  rotate_copy bytes/s vs a device-to-device copy measured in the same run
+  deferral: rotate=True vs rotate=False on the same data
+Also sweeps page size (16/32/64) and a few launch configurations, and reports the best.
+Prints a table last; writes it as markdown to $OUT/bench_kernels.md when $OUT is set.
+Usage: python scripts/bench_kernels.py [--quick]
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+# BENCH_SMOKE=1: tiny shapes on CPU under the Triton interpreter, to check this script's logic
+SMOKE = os.environ.get("BENCH_SMOKE") == "1"
+if SMOKE:
+    os.environ["TRITON_INTERPRET"] = "1"
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import triton  # noqa: E402
+from triton.testing import do_bench  # noqa: E402
+
+import kernels  # noqa: E402
+from kernels import PageTable  # noqa: E402
+
+DEV = "cpu" if SMOKE else "cuda"
+DT = torch.float16 if SMOKE else torch.bfloat16
+QUICK = "--quick" in sys.argv
+ROWS: list[dict] = []
+LOG: list[str] = []
+
+
+def log(*a):
+    s = " ".join(str(x) for x in a)
+    print(s, flush=True)
+    LOG.append(s)
+
+
+def bench(fn_sets, warmup=20, rep=80):
+    """Median ms of fn over a cycle of argument sets (so L2 does not keep one set hot)."""
+    it = itertools.cycle(fn_sets)
+    if SMOKE:
+        t = time.perf_counter()
+        next(it)()
+        return (time.perf_counter() - t) * 1e3
+    return do_bench(lambda: next(it)(), warmup=warmup, rep=rep, return_mode="median")
+
+
+def rel(a, b):
+    a, b = a.float(), b.float()
+    return ((a - b).norm() / b.norm()).item()
+
+
+def inv_freq(D):
+    return (1.0 / (500000.0 ** (torch.arange(0, D, 2, dtype=torch.float64) / D))).float().to(DEV)
+
+
+def rope(x, pos, invf):
+    """x [..., N, D] fp32-rotated by int pos [N] (broadcast), returns x.dtype."""
+    half = x.shape[-1] // 2
+    ang = pos.float()[:, None] * invf[None, :]
+    c, s = ang.cos(), ang.sin()
+    xf = x.float()
+    x1, x2 = xf[..., :half], xf[..., half:]
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), -1).to(x.dtype)
+
+
+# ------------------------------------------------------------------------------ workload
+
+class Work:
+    """B requests; each reads n_chunks chunks of chunk_len (drawn from a shared pool of
+    pool_chunks chunks, so pages are shared across requests at different deltas) then owns
+    q_len new tokens (own pages, delta 0). Builds the paged form and the SDPA form."""
+
+    def __init__(self, H, Hkv, D, PS, B, n_chunks, chunk_len, q_len, pool_chunks, seed=0):
+        g = torch.Generator(device="cpu").manual_seed(seed)
+        self.H, self.Hkv, self.D, self.PS, self.B = H, Hkv, D, PS, B
+        cpp = chunk_len // PS
+        own_pp = max(1, math.ceil(q_len / PS)) if q_len > 0 else 0
+        num_pages = pool_chunks * cpp + B * own_pp
+        self.k = torch.randn(num_pages, PS, Hkv, D, device=DEV, dtype=DT)
+        self.v = torch.randn(num_pages, PS, Hkv, D, device=DEV, dtype=DT)
+        self.invf = inv_freq(D)
+        maxp = n_chunks * cpp + own_pp
+        ids = torch.zeros(B, maxp, dtype=torch.int32)
+        delta = torch.zeros(B, maxp, dtype=torch.int32)
+        start = torch.zeros(B, maxp, dtype=torch.int32)
+        length = torch.full((B, maxp), PS, dtype=torch.int32)
+        P = 0  # stored chunk positions 0..chunk_len-1
+        for b in range(B):
+            chunks = torch.randperm(pool_chunks, generator=g)[:n_chunks].tolist()
+            e = 0
+            for i, c in enumerate(chunks):
+                for p in range(cpp):
+                    ids[b, e] = c * cpp + p
+                    delta[b, e] = i * chunk_len - P
+                    start[b, e] = P + p * PS
+                    e += 1
+            ctx = n_chunks * chunk_len
+            for p in range(own_pp):
+                ids[b, e] = pool_chunks * cpp + b * own_pp + p
+                start[b, e] = ctx + p * PS
+                length[b, e] = min(PS, q_len - p * PS)
+                e += 1
+        self.pages = PageTable(ids, delta, start, length, torch.full((B,), maxp, dtype=torch.int32)).to(DEV)
+        self.ctx = n_chunks * chunk_len
+        self.n_keys = self.ctx + q_len
+        self.q_len = q_len
+
+    def sdpa_kv(self):
+        """Contiguous [B, Hkv, N, D] keys rotated to logical positions, values."""
+        B, PS, Hkv, D = self.B, self.PS, self.Hkv, self.D
+        ids = self.pages.ids.long()
+        K = self.k[ids].reshape(B, -1, Hkv, D)  # stored keys [B, N_all, Hkv, D]
+        V = self.v[ids].reshape(B, -1, Hkv, D)
+        d = self.pages.delta.repeat_interleave(PS, dim=1)  # [B, N_all]
+        half = D // 2
+        ang = d.float()[..., None] * self.invf  # [B, N_all, D/2]
+        c, s = ang.cos()[:, :, None, :], ang.sin()[:, :, None, :]
+        Kf = K.float()
+        K = torch.cat((Kf[..., :half] * c - Kf[..., half:] * s, Kf[..., half:] * c + Kf[..., :half] * s), -1).to(DT)
+        keep = torch.arange(K.shape[1], device=DEV) < self.n_keys  # drop padding of last own page
+        K, V = K[:, keep], V[:, keep]
+        return K.permute(0, 2, 1, 3).contiguous(), V.permute(0, 2, 1, 3).contiguous()
+
+
+# ------------------------------------------------------------------------------ rows
+
+def row(name, t_ms, amount, unit, base_ms, limit, note=""):
+    ach = amount / (t_ms * 1e-3) / 1e12
+    r = dict(name=name, us=t_ms * 1e3, ach=ach, unit=unit, base_us=(base_ms * 1e3 if base_ms else None),
+             ratio=(base_ms / t_ms if base_ms else None), limit=limit, note=note)
+    ROWS.append(r)
+    log(f"ROW {name}: {t_ms * 1e3:.1f} us, {ach:.2f} {unit}, base {r['base_us'] and round(r['base_us'], 1)} us, "
+        f"ratio {r['ratio'] and round(r['ratio'], 3)}, limit {limit} {note}")
+    return r
+
+
+def measure_limits():
+    n = 1 << (16 if SMOKE else 29)  # 1 GiB of bf16
+    a = torch.randn(n, device=DEV, dtype=DT)
+    b = torch.empty_like(a)
+    t = bench([lambda: b.copy_(a)])
+    copy_bw = 2 * a.numel() * 2 / (t * 1e-3) / 1e12
+    del a, b
+    m = 64 if SMOKE else 8192
+    x = torch.randn(m, m, device=DEV, dtype=DT)
+    y = torch.randn(m, m, device=DEV, dtype=DT)
+    t = bench([lambda: x @ y])
+    mm = 2 * m ** 3 / (t * 1e-3) / 1e12
+    log(f"device copy bandwidth {copy_bw:.2f} TB/s (read+write), bf16 matmul {mm:.0f} TFLOP/s")
+    return copy_bw, mm
+
+
+def decode_rows(tag, H, Hkv, D, B, ctx, PS, copy_bw, cfgs, pool_chunks):
+    G = H // Hkv
+    w = Work(H, Hkv, D, PS, B, ctx // 512, 512, 0, pool_chunks)
+    # decode query for the next token at logical position ctx
+    nset = 2
+    qs = [torch.randn(B, H, D, device=DEV, dtype=DT) for _ in range(nset)]
+    qpos = torch.full((B,), ctx, dtype=torch.int32, device=DEV)
+    K, V = w.sdpa_kv()
+    Ks, Vs = [K] + [K.clone() for _ in range(nset - 1)], [V] + [V.clone() for _ in range(nset - 1)]
+    qr = [rope(q.float().view(B * H, 1, D), qpos[:1].expand(1), w.invf).view(B, H, D).to(DT) for q in qs]
+    scale = 1.0 / math.sqrt(D)
+
+    def sdpa(i):
+        return F.scaled_dot_product_attention(qr[i].view(B, Hkv, G, D), Ks[i], Vs[i], scale=scale).view(B, H, D)
+
+    ref = sdpa(0)
+    kv_bytes = 2 * B * ctx * Hkv * D * 2
+    t_sdpa = bench([lambda i=i: sdpa(i) for i in range(nset)])
+    best = None
+    for cfg in cfgs:
+        out = kernels.lazy_decode(qs[0], w.k, w.v, w.pages, qpos, w.invf, scale, **cfg)
+        err = rel(out, ref)
+        t = bench([lambda i=i: kernels.lazy_decode(qs[i], w.k, w.v, w.pages, qpos, w.invf, scale, **cfg)
+                   for i in range(nset)])
+        log(f"  decode {tag} PS={PS} cfg={cfg}: {t * 1e3:.1f} us (err vs SDPA {err:.2e})")
+        if err > 3e-2:
+            log("  !! MISMATCH vs SDPA")
+        if best is None or t < best[0]:
+            best = (t, cfg, err)
+    t, cfg, err = best
+    t_norot = bench([lambda i=i: kernels.lazy_decode(qr[i], w.k, w.v, w.pages, qpos, w.invf, scale, rotate=False,
+                                                     **cfg) for i in range(nset)])
+    return dict(t=t, cfg=cfg, err=err, t_sdpa=t_sdpa, t_norot=t_norot, bytes=kv_bytes)
+
+
+def prefill_rows(tag, H, Hkv, D, B, ctx, q_len, PS, cfgs, pool_chunks):
+    G = H // Hkv
+    w = Work(H, Hkv, D, PS, B, ctx // 512, 512, q_len, pool_chunks)
+    nset = 2
+    qs = [torch.randn(B * q_len, H, D, device=DEV, dtype=DT) for _ in range(nset)]
+    qpos = (ctx + torch.arange(q_len, device=DEV, dtype=torch.int32)).repeat(B)
+    cu = torch.arange(0, B * q_len + 1, q_len, dtype=torch.int32, device=DEV)
+    K, V = w.sdpa_kv()
+    N = K.shape[2]
+    Ks, Vs = [K] + [K.clone() for _ in range(nset - 1)], [V] + [V.clone() for _ in range(nset - 1)]
+    qr = [rope(q.view(B, q_len, H, D).permute(0, 2, 1, 3), qpos[:q_len], w.invf) for q in qs]  # [B,H,Lq,D]
+    scale = 1.0 / math.sqrt(D)
+    # equivalent mask: query i (logical ctx+i) sees keys 0..ctx+i (lower-right causal)
+    mask = torch.arange(N, device=DEV)[None, :] <= (ctx + torch.arange(q_len, device=DEV))[:, None]
+    mask_g = mask.repeat(G, 1)  # GQA folded into the query axis: [G*Lq, N]
+    from torch.nn.attention.bias import causal_lower_right
+    clr = causal_lower_right(q_len, N)
+    Kx = [k.repeat_interleave(G, dim=1) for k in Ks]
+    Vx = [v.repeat_interleave(G, dim=1) for v in Vs]
+
+    variants = {
+        "gqa-fold+mask": lambda i: F.scaled_dot_product_attention(
+            qr[i].reshape(B, Hkv, G * q_len, D), Ks[i], Vs[i], attn_mask=mask_g, scale=scale).view(B, H, q_len, D),
+        "expanded+causal_lower_right": lambda i: F.scaled_dot_product_attention(
+            qr[i], Kx[i], Vx[i], attn_mask=clr, scale=scale),
+    }
+    flops = 4 * D * H * B * sum(ctx + i + 1 for i in range(q_len))
+    base = None
+    for name, fn in variants.items():
+        try:
+            ref = fn(0)
+            t = bench([lambda i=i: fn(i) for i in range(nset)])
+        except Exception as e:  # noqa: BLE001
+            log(f"  SDPA variant {name} failed: {e!r}")
+            continue
+        log(f"  SDPA {tag} {name}: {t * 1e3:.1f} us")
+        if base is None or t < base[0]:
+            base = (t, name, ref)
+    t_sdpa, base_name, ref = base
+    ref = ref.permute(0, 2, 1, 3).reshape(B * q_len, H, D)
+    best = None
+    for cfg in cfgs:
+        out = kernels.lazy_prefill(qs[0], w.k, w.v, w.pages, cu, qpos, w.invf, scale, max_seqlen_q=q_len, **cfg)
+        err = rel(out, ref)
+        t = bench([lambda i=i: kernels.lazy_prefill(qs[i], w.k, w.v, w.pages, cu, qpos, w.invf, scale,
+                                                    max_seqlen_q=q_len, **cfg) for i in range(nset)])
+        log(f"  prefill {tag} PS={PS} cfg={cfg}: {t * 1e3:.1f} us, {flops / t / 1e9:.0f} TFLOP/s (err {err:.2e})")
+        if err > 3e-2:
+            log("  !! MISMATCH vs SDPA")
+        if best is None or t < best[0]:
+            best = (t, cfg, err)
+    t, cfg, err = best
+    qrp = [x.permute(0, 2, 1, 3).reshape(B * q_len, H, D).contiguous() for x in qr]
+    t_norot = bench([lambda i=i: kernels.lazy_prefill(qrp[i], w.k, w.v, w.pages, cu, qpos, w.invf, scale,
+                                                      rotate=False, max_seqlen_q=q_len, **cfg) for i in range(nset)])
+    return dict(t=t, cfg=cfg, err=err, t_sdpa=t_sdpa, base=base_name, t_norot=t_norot, flops=flops)
+
+
+def rotate_copy_row(tag, Hkv, D, PS, copy_bw):
+    n_src = (64 if SMOKE else 32768 * 16) // PS
+    N = n_src // 2
+    k = torch.randn(n_src, PS, Hkv, D, device=DEV, dtype=DT)
+    v = torch.randn_like(k)
+    dk = torch.empty(N, PS, Hkv, D, device=DEV, dtype=DT)
+    dv = torch.empty_like(dk)
+    invf = inv_freq(D)
+    sets = []
+    for s in range(2):
+        src = torch.randperm(n_src, device=DEV)[:N].to(torch.int32)
+        dst = torch.randperm(N, device=DEV).to(torch.int32)
+        dl = torch.randint(0, 100000, (N,), device=DEV, dtype=torch.int32)
+        sets.append((src, dst, dl))
+    kernels.rotate_copy(k, v, *sets[0], invf, dst_k=dk, dst_v=dv)
+    ref_k, ref_v = dk.clone(), dv.clone()
+    kernels.reference.rotate_copy(k, v, *sets[0], invf, dst_k=ref_k, dst_v=ref_v)
+    err = rel(dk, ref_k)
+    moved = 2 * 2 * N * PS * Hkv * D * 2  # K and V, read + write
+    t = bench([lambda s=s: kernels.rotate_copy(k, v, *s, invf, dst_k=dk, dst_v=dv) for s in sets])
+    # device-to-device copy of the same bytes in the same run (contiguous, no gather)
+    t_copy = bench([lambda: (dk.copy_(k[:N]), dv.copy_(v[:N]))])
+    log(f"  rotate_copy {tag} PS={PS}: {t * 1e3:.1f} us, {moved / t / 1e9:.2f} TB/s; plain copy {t_copy * 1e3:.1f} us; "
+        f"err {err:.1e}")
+    return dict(t=t, t_copy=t_copy, bytes=moved, err=err)
+
+
+def main():
+    assert SMOKE or torch.cuda.is_available(), "needs a CUDA GPU"
+    torch.manual_seed(0)
+    if SMOKE:
+        class props:  # noqa: N801
+            name, multi_processor_count = "cpu-smoke", 0
+    else:
+        props = torch.cuda.get_device_properties(0)
+    sc = 8 if SMOKE else 1  # shrink batch and context in smoke mode
+    log(f"GPU: {props.name}, {props.multi_processor_count} SMs; torch {torch.__version__}, triton {triton.__version__}")
+    t0 = time.time()
+    copy_bw, mm = measure_limits()
+    bw_lim = f"{copy_bw:.2f} TB/s copy"
+    mm_lim = f"{mm:.0f} TFLOP/s mm"
+
+    dec_cfgs = [dict(block_n=64, num_warps=4), dict(block_n=128, num_warps=4)]
+    pre_cfgs = [dict(block_m=128, block_n=64, num_warps=8, num_stages=2),
+                dict(block_m=64, block_n=64, num_warps=4, num_stages=2)]
+    if QUICK:
+        dec_cfgs, pre_cfgs = dec_cfgs[:1], pre_cfgs[:1]
+
+    # page size by measurement (Llama shape, rotate=True, first configs)
+    ps_t = {}
+    for PS in (16, 32, 64):
+        d = decode_rows("llama", 32, 8, 128, 32 // sc, 8192 // sc, PS, copy_bw, dec_cfgs[:1], pool_chunks=64 // sc)
+        p = prefill_rows("llama", 32, 8, 128, 8 // sc or 1, 8192 // sc, 128 // sc, PS, pre_cfgs[:1],
+                         pool_chunks=64 // sc)
+        ps_t[PS] = (d["t"], p["t"])
+        log(f"page size {PS}: decode {d['t'] * 1e3:.1f} us, prefill {p['t'] * 1e3:.1f} us")
+    best_ps = min(ps_t, key=lambda k: ps_t[k][0] / ps_t[16][0] + ps_t[k][1] / ps_t[16][1])
+    log(f"chosen page size: {best_ps} (sum of decode+prefill times normalised to PS=16)")
+    PS = best_ps
+
+    for tag, (H, Hkv, D) in (("Llama-8B", (32, 8, 128)), ("SmolLM2", (9, 3, 64))):
+        for B, ctx, pool in ((32, 8192, 64), (8, 32768, 128)):
+            B, ctx, pool = max(1, B // sc), ctx // sc // (2 if SMOKE and ctx > 8192 else 1), pool // sc
+            d = decode_rows(tag, H, Hkv, D, B, ctx, PS, copy_bw, dec_cfgs, pool)
+            row(f"decode {tag} B={B} ctx={ctx}", d["t"], d["bytes"], "TB/s", d["t_sdpa"], bw_lim,
+                f"cfg {d['cfg']}, err {d['err']:.1e}")
+            row(f"  deferral: decode {tag} B={B} rotate=False", d["t_norot"], d["bytes"], "TB/s", d["t"], bw_lim,
+                f"cost of deferral {100 * (d['t'] / d['t_norot'] - 1):+.1f}%")
+        for B, ctx, ql, pool in ((8, 8192, 128, 64), (4, 16384, 256, 64)):
+            B, ctx, ql, pool = max(1, B // sc), ctx // sc // (2 if SMOKE and ctx > 8192 else 1), ql // sc, pool // sc
+            p = prefill_rows(tag, H, Hkv, D, B, ctx, ql, PS, pre_cfgs, pool)
+            row(f"prefill {tag} {B}x{ql} over {ctx}", p["t"], p["flops"], "TFLOP/s", p["t_sdpa"], mm_lim,
+                f"cfg {p['cfg']}, SDPA={p['base']}, err {p['err']:.1e}")
+            row(f"  deferral: prefill {tag} {B}x{ql} rotate=False", p["t_norot"], p["flops"], "TFLOP/s", p["t"],
+                mm_lim, f"cost of deferral {100 * (p['t'] / p['t_norot'] - 1):+.1f}%")
+        rc = rotate_copy_row(tag, Hkv, D, PS, copy_bw)
+        row(f"rotate_copy {tag} PS={PS}", rc["t"], rc["bytes"], "TB/s", rc["t_copy"], bw_lim,
+            f"{100 * rc['bytes'] / rc['t'] / 1e9 / copy_bw:.0f}% of copy bw, err {rc['err']:.1e}")
+
+    lines = [f"GPU {props.name}; device copy {copy_bw:.2f} TB/s, bf16 matmul {mm:.0f} TFLOP/s; page size {PS}; "
+             f"bench wall {time.time() - t0:.0f} s", "",
+             "| row | time (us) | achieved | baseline (us) | ratio (base/ours) | limit | notes |",
+             "|---|---:|---:|---:|---:|---|---|"]
+    for r in ROWS:
+        base = "" if r["base_us"] is None else f"{r['base_us']:.1f}"
+        ratio = "" if r["ratio"] is None else f"{r['ratio']:.2f}"
+        lines.append(f"| {r['name'].strip()} | {r['us']:.1f} | {r['ach']:.2f} {r['unit']} | {base} | {ratio} | "
+                     f"{r['limit']} | {r['note']} |")
+    table = "\n".join(lines)
+    print("\n" + table, flush=True)
+    out = os.environ.get("OUT")
+    if out:
+        with open(os.path.join(out, "bench_kernels.md"), "w") as f:
+            f.write(table + "\n")
+        with open(os.path.join(out, "bench_kernels.log"), "w") as f:
+            f.write("\n".join(LOG) + "\n")
+
+
+if __name__ == "__main__":
+    main()
