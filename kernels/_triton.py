@@ -5,8 +5,6 @@ compiled, once under the Triton interpreter), so use the public API, not this mo
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
@@ -15,20 +13,21 @@ from .pages import PageTable
 
 
 @triton.jit
-def _load_rot_q(qptr, qmask, qpos, d, invf, offs_h, HALF: tl.constexpr, DTYPE: tl.constexpr):
-    """Load query rows (pointers ``qptr`` [M]) and return R(qpos - d) q as one [M, 2*HALF] tile.
+def _rot_join(x1, x2, pos, invf, DTYPE: tl.constexpr):
+    """R(pos) applied to rows given as halves x1, x2 [M, HALF]; returns one [M, 2*HALF] DTYPE tile.
 
-    fp32 rotation: int32 subtraction first, then to fp32; the result is cast to DTYPE for the dot.
+    fp32 maths: ``pos`` is an int32 [M] difference (already subtracted), converted here.
     """
-    q1 = tl.load(qptr[:, None] + offs_h[None, :], mask=qmask[:, None], other=0.0).to(tl.float32)
-    q2 = tl.load(qptr[:, None] + HALF + offs_h[None, :], mask=qmask[:, None], other=0.0).to(tl.float32)
-    ang = (qpos - d).to(tl.float32)[:, None] * invf[None, :]
+    a1 = x1.to(tl.float32)
+    a2 = x2.to(tl.float32)
+    ang = pos.to(tl.float32)[:, None] * invf[None, :]
     c = tl.cos(ang)
     s = tl.sin(ang)
-    r1 = (q1 * c - q2 * s).to(DTYPE)
-    r2 = (q2 * c + q1 * s).to(DTYPE)
+    r1 = (a1 * c - a2 * s).to(DTYPE)
+    r2 = (a2 * c + a1 * s).to(DTYPE)
     M: tl.constexpr = r1.shape[0]
-    return tl.reshape(tl.permute(tl.join(r1, r2), (0, 2, 1)), (M, 2 * HALF))
+    H2: tl.constexpr = 2 * r1.shape[1]
+    return tl.reshape(tl.permute(tl.join(r1, r2), (0, 2, 1)), (M, H2))
 
 
 @triton.jit
@@ -58,8 +57,11 @@ def _attn_blocks(qptr, qmask, qpos, invf, acc, m_i, l_i,
     offs_h = tl.arange(0, HALF)
     offs_d = tl.arange(0, 2 * HALF)
     if ROTATE:
+        # un-rotated query halves stay in registers (input dtype, exact); re-rotated on a delta change
+        qh1 = tl.load(qptr[:, None] + offs_h[None, :], mask=qmask[:, None], other=0.0)
+        qh2 = tl.load(qptr[:, None] + HALF + offs_h[None, :], mask=qmask[:, None], other=0.0)
         cur_d = tl.load(delta_row + blk_lo * PPB, mask=blk_lo * PPB < n_pages, other=0)
-        q = _load_rot_q(qptr, qmask, qpos, cur_d, invf, offs_h, HALF, DTYPE)
+        q = _rot_join(qh1, qh2, qpos - cur_d, invf, DTYPE)
     else:
         q = tl.load(qptr[:, None] + offs_d[None, :], mask=qmask[:, None], other=0.0).to(DTYPE)
     for blk in range(blk_lo, blk_hi):
@@ -72,32 +74,39 @@ def _attn_blocks(qptr, qmask, qpos, invf, acc, m_i, l_i,
         kvalid = emask & (row_tok < ln)
         kpos = st + dl + row_tok
         if IDX64:
-            pid = pid.to(tl.int64)
-        krow = pid * stride_kp + row_tok * stride_kt + kvh * stride_kh
+            kbase = pid.to(tl.int64) * stride_kp
+            vbase = pid.to(tl.int64) * stride_vp
+        else:
+            kbase = pid * stride_kp
+            vbase = pid * stride_vp
+        krow = kbase + row_tok * stride_kt + kvh * stride_kh
         # unmasked: every row address is inside the pool (entries past count read page 0); scores of
         # invalid rows are replaced by -inf below, so junk in padding rows is harmless
         k = tl.load(K + krow[:, None] + offs_d[None, :])
         if ROTATE:
-            d_first = tl.load(delta_row + blk * PPB)
-            if d_first != cur_d:
-                q = _load_rot_q(qptr, qmask, qpos, d_first, invf, offs_h, HALF, DTYPE)
-                cur_d = d_first
             dmin = tl.min(tl.where(emask, dl, 2147483647), axis=0)
             dmax = tl.max(tl.where(emask, dl, -2147483647), axis=0)
+            if (dmin == dmax) & (dmin != cur_d):
+                # a new run of same-delta pages: rotate the query once for the whole run
+                q = _rot_join(qh1, qh2, qpos - dmin, invf, DTYPE)
+                cur_d = dmin
+        s = tl.dot(q, tl.trans(k), input_precision=PREC)
+        if ROTATE and PPB > 1:
             if dmin != dmax:
-                k1 = tl.load(K + krow[:, None] + offs_h[None, :]).to(tl.float32)
-                k2 = tl.load(K + krow[:, None] + HALF + offs_h[None, :]).to(tl.float32)
-                ang = (dl - cur_d).to(tl.float32)[:, None] * invf[None, :]
-                c = tl.cos(ang)
-                sn = tl.sin(ang)
-                r1 = (k1 * c - k2 * sn).to(DTYPE)
-                r2 = (k2 * c + k1 * sn).to(DTYPE)
-                kr = tl.reshape(tl.permute(tl.join(r1, r2), (0, 2, 1)), (BLOCK_N, 2 * HALF))
-                s = tl.dot(q, tl.trans(kr), input_precision=PREC)
-            else:
-                s = tl.dot(q, tl.trans(k), input_precision=PREC)
-        else:
-            s = tl.dot(q, tl.trans(k), input_precision=PREC)
+                # rare (block straddles pages of different deltas): redo the scores exactly, either
+                # rotating this block's keys in registers by (their delta - current delta), or,
+                # for a few query rows, the query once per page
+                if BLOCK_M < BLOCK_N:
+                    # few query rows (decode): rotate the query once per page of the block instead
+                    for i in tl.static_range(PPB):
+                        di = tl.max(tl.where(row_page == i, dl, -2147483647), axis=0)
+                        qi = _rot_join(qh1, qh2, qpos - di, invf, DTYPE)
+                        si = tl.dot(qi, tl.trans(k), input_precision=PREC)
+                        s = tl.where(row_page[None, :] == i, si, s)
+                else:
+                    k1, k2 = tl.split(tl.permute(tl.reshape(k, (BLOCK_N, 2, HALF)), (0, 2, 1)))
+                    kr = _rot_join(k1, k2, dl - cur_d, invf, DTYPE)
+                    s = tl.dot(q, tl.trans(kr), input_precision=PREC)
         s = s * qk_scale
         # mask only blocks that need it (padding rows, or keys after the earliest query)
         kmax = tl.max(tl.where(kvalid, kpos, 2147483647), axis=0)
@@ -107,11 +116,84 @@ def _attn_blocks(qptr, qmask, qpos, invf, acc, m_i, l_i,
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        vrow = pid * stride_vp + row_tok * stride_vt + kvh * stride_vh
+        vrow = vbase + row_tok * stride_vt + kvh * stride_vh
         v = tl.load(V + vrow[:, None] + offs_d[None, :], mask=kvalid[:, None], other=0.0)
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(DTYPE), v, acc, input_precision=PREC)
         m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _attn_runs(qptr, qmask, qpos, invf, acc, m_i, l_i,
+               K, V, ids_row, delta_row, start_row, len_row, n_pages, kvh,
+               p_lo, p_hi,
+               stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
+               qk_scale,
+               DTYPE: tl.constexpr, PS: tl.constexpr, HALF: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROTATE: tl.constexpr,
+               PREC: tl.constexpr, IDX64: tl.constexpr, SCAN: tl.constexpr):
+    """Same maths as _attn_blocks over page entries [p_lo, p_hi), walked run by run.
+
+    A run is a stretch of consecutive page entries with one delta (at most SCAN entries).
+    The query is rotated once per run, outside the inner loop, so the inner loop over key
+    blocks is exactly the rotate=False loop (the query is loop-invariant there) and no key
+    block ever mixes deltas; blocks are aligned to the run's first page.
+    """
+    PPB: tl.constexpr = BLOCK_N // PS
+    qmin = tl.min(tl.where(qmask, qpos, 2147483647), axis=0)
+    offs_n = tl.arange(0, BLOCK_N)
+    row_page = offs_n // PS
+    row_tok = offs_n % PS
+    offs_h = tl.arange(0, HALF)
+    offs_d = tl.arange(0, 2 * HALF)
+    p_hi = tl.minimum(p_hi, n_pages)
+    if not ROTATE:
+        q = tl.load(qptr[:, None] + offs_d[None, :], mask=qmask[:, None], other=0.0).to(DTYPE)
+    p = p_lo
+    while p < p_hi:
+        if ROTATE:
+            d = tl.load(delta_row + p)
+            offs_s = tl.arange(0, SCAN)
+            nd = tl.load(delta_row + p + offs_s, mask=(p + offs_s) < p_hi, other=0)
+            differs = (nd != d) | ((p + offs_s) >= p_hi)
+            run = tl.min(tl.where(differs, offs_s, SCAN), axis=0)
+            qh1 = tl.load(qptr[:, None] + offs_h[None, :], mask=qmask[:, None], other=0.0)
+            qh2 = tl.load(qptr[:, None] + HALF + offs_h[None, :], mask=qmask[:, None], other=0.0)
+            q = _rot_join(qh1, qh2, qpos - d, invf, DTYPE)
+        else:
+            run = p_hi - p
+        r_end = p + run
+        for i in range(0, tl.cdiv(run, PPB)):
+            e = p + i * PPB + row_page
+            emask = e < r_end
+            pid = tl.load(ids_row + e, mask=emask, other=0)
+            st = tl.load(start_row + e, mask=emask, other=0)
+            dl = tl.load(delta_row + e, mask=emask, other=0)
+            ln = tl.load(len_row + e, mask=emask, other=0)
+            kvalid = emask & (row_tok < ln)
+            kpos = st + dl + row_tok
+            if IDX64:
+                kbase = pid.to(tl.int64) * stride_kp
+                vbase = pid.to(tl.int64) * stride_vp
+            else:
+                kbase = pid * stride_kp
+                vbase = pid * stride_vp
+            k = tl.load(K + (kbase + row_tok * stride_kt + kvh * stride_kh)[:, None] + offs_d[None, :])
+            s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+            kmax = tl.max(tl.where(kvalid, kpos, 2147483647), axis=0)
+            if kmax > qmin:
+                s = tl.where(kvalid[None, :] & (kpos[None, :] <= qpos[:, None]), s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp2(m_i - m_new)
+            pr = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(pr, axis=1)
+            v = tl.load(V + (vbase + row_tok * stride_vt + kvh * stride_vh)[:, None] + offs_d[None, :],
+                        mask=kvalid[:, None], other=0.0)
+            acc = acc * alpha[:, None]
+            acc = tl.dot(pr.to(DTYPE), v, acc, input_precision=PREC)
+            m_i = m_new
+        p = r_end
     return acc, m_i, l_i
 
 
@@ -122,7 +204,7 @@ def _prefill_kernel(Q, K, V, O, IDS, DELTA, START, LEN, COUNT, CU, QPOS, INVF,
                     qk_scale,
                     GROUP: tl.constexpr, DTYPE: tl.constexpr, PS: tl.constexpr, HALF: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROTATE: tl.constexpr,
-                    PREC: tl.constexpr, IDX64: tl.constexpr):
+                    PREC: tl.constexpr, IDX64: tl.constexpr, RUNS: tl.constexpr):
     h = tl.program_id(0)
     b = tl.program_id(1)
     tile = tl.program_id(2)
@@ -144,11 +226,18 @@ def _prefill_kernel(Q, K, V, O, IDS, DELTA, START, LEN, COUNT, CU, QPOS, INVF,
         m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         tb = b.to(tl.int64) * stride_tb
-        acc, m_i, l_i = _attn_blocks(qptr, mmask, qpos, invf, acc, m_i, l_i,
-                                     K, V, IDS + tb, DELTA + tb, START + tb, LEN + tb, n_pages, kvh,
-                                     0, n_blk,
-                                     stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
-                                     qk_scale, DTYPE, PS, HALF, BLOCK_M, BLOCK_N, ROTATE, PREC, IDX64)
+        if RUNS:
+            acc, m_i, l_i = _attn_runs(qptr, mmask, qpos, invf, acc, m_i, l_i,
+                                       K, V, IDS + tb, DELTA + tb, START + tb, LEN + tb, n_pages, kvh,
+                                       0, n_pages,
+                                       stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
+                                       qk_scale, DTYPE, PS, HALF, BLOCK_M, BLOCK_N, ROTATE, PREC, IDX64, 64)
+        else:
+            acc, m_i, l_i = _attn_blocks(qptr, mmask, qpos, invf, acc, m_i, l_i,
+                                         K, V, IDS + tb, DELTA + tb, START + tb, LEN + tb, n_pages, kvh,
+                                         0, n_blk,
+                                         stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
+                                         qk_scale, DTYPE, PS, HALF, BLOCK_M, BLOCK_N, ROTATE, PREC, IDX64)
         l_safe = tl.where(l_i > 0, l_i, 1.0)
         o = tl.where(l_i[:, None] > 0, acc / l_safe[:, None], 0.0)
         orow = offs_m.to(tl.int64) * stride_ot + h * stride_oh
@@ -162,7 +251,8 @@ def _decode_split_kernel(Q, K, V, OP, LSE, IDS, DELTA, START, LEN, COUNT, QPOS, 
                          qk_scale,
                          GROUP: tl.constexpr, DTYPE: tl.constexpr, PS: tl.constexpr, HALF: tl.constexpr,
                          BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
-                         ROTATE: tl.constexpr, PREC: tl.constexpr, IDX64: tl.constexpr):
+                         ROTATE: tl.constexpr, PREC: tl.constexpr, IDX64: tl.constexpr,
+                         RUNS: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
@@ -183,11 +273,19 @@ def _decode_split_kernel(Q, K, V, OP, LSE, IDS, DELTA, START, LEN, COUNT, QPOS, 
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     tb = b.to(tl.int64) * stride_tb
     if lo < hi:
-        acc, m_i, l_i = _attn_blocks(qptr, gmask, qpos, invf, acc, m_i, l_i,
-                                     K, V, IDS + tb, DELTA + tb, START + tb, LEN + tb, n_pages, kvh,
-                                     lo, hi,
-                                     stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
-                                     qk_scale, DTYPE, PS, HALF, BLOCK_H, BLOCK_N, ROTATE, PREC, IDX64)
+        if RUNS:
+            PPB: tl.constexpr = BLOCK_N // PS
+            acc, m_i, l_i = _attn_runs(qptr, gmask, qpos, invf, acc, m_i, l_i,
+                                       K, V, IDS + tb, DELTA + tb, START + tb, LEN + tb, n_pages, kvh,
+                                       lo * PPB, hi * PPB,
+                                       stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
+                                       qk_scale, DTYPE, PS, HALF, BLOCK_H, BLOCK_N, ROTATE, PREC, IDX64, 64)
+        else:
+            acc, m_i, l_i = _attn_blocks(qptr, gmask, qpos, invf, acc, m_i, l_i,
+                                         K, V, IDS + tb, DELTA + tb, START + tb, LEN + tb, n_pages, kvh,
+                                         lo, hi,
+                                         stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
+                                         qk_scale, DTYPE, PS, HALF, BLOCK_H, BLOCK_N, ROTATE, PREC, IDX64)
     # partial results: OP [B, H, SPLITS, D] (normalised), LSE [B, H, SPLITS] (log2 domain)
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     o = acc / l_safe[:, None]
@@ -270,7 +368,7 @@ def _block_n(ps: int, head_dim: int) -> int:
 
 def lazy_prefill(q, k_pages, v_pages, pages: PageTable, cu_seqlens_q, q_pos, inv_freq, sm_scale, rotate=True,
                  max_seqlen_q: int | None = None, block_m: int | None = None, block_n: int | None = None,
-                 num_warps: int | None = None, num_stages: int | None = None, out=None):
+                 num_warps: int | None = None, num_stages: int | None = None, runs: bool = False, out=None):
     total, H, D = q.shape
     _, PS, Hkv, _ = k_pages.shape
     B = pages.ids.shape[0]
@@ -279,8 +377,8 @@ def lazy_prefill(q, k_pages, v_pages, pages: PageTable, cu_seqlens_q, q_pos, inv
         return o
     if max_seqlen_q is None:
         max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max().item())
-    if block_m is None:
-        block_m = max(16, min(128, triton.next_power_of_2(max(1, max_seqlen_q))))
+    if block_m is None:  # 64 x 64 tiles, 4 warps measured best on the H200 (docs/benchmarks.md)
+        block_m = max(16, min(64, triton.next_power_of_2(max(1, max_seqlen_q))))
     block_n = block_n or _block_n(PS, D)
     block_n = max(block_n, PS)
     n_tiles = max(1, triton.cdiv(max_seqlen_q, block_m))
@@ -296,13 +394,14 @@ def lazy_prefill(q, k_pages, v_pages, pages: PageTable, cu_seqlens_q, q_pos, inv
         v_pages.stride(0), v_pages.stride(1), v_pages.stride(2), o.stride(0), o.stride(1), pages.ids.stride(0),
         float(sm_scale) * _LOG2E,
         GROUP=H // Hkv, DTYPE=_TL_DTYPE[q.dtype], PS=PS, HALF=D // 2,
-        BLOCK_M=block_m, BLOCK_N=block_n, ROTATE=bool(rotate), PREC=_prec(q.dtype), IDX64=_idx64(k_pages, v_pages), num_warps=num_warps, num_stages=num_stages)
+        BLOCK_M=block_m, BLOCK_N=block_n, ROTATE=bool(rotate), PREC=_prec(q.dtype), IDX64=_idx64(k_pages, v_pages),
+        RUNS=bool(runs), num_warps=num_warps, num_stages=num_stages)
     return o
 
 
 def lazy_decode(q, k_pages, v_pages, pages: PageTable, q_pos, inv_freq, sm_scale, rotate=True,
                 num_splits: int | None = None, block_n: int | None = None, num_warps: int | None = None,
-                num_stages: int | None = None, out=None):
+                num_stages: int | None = None, runs: bool = False, out=None):
     B, H, D = q.shape
     _, PS, Hkv, _ = k_pages.shape
     G = H // Hkv
@@ -326,7 +425,8 @@ def lazy_decode(q, k_pages, v_pages, pages: PageTable, q_pos, inv_freq, sm_scale
         v_pages.stride(0), v_pages.stride(1), v_pages.stride(2), pages.ids.stride(0), H, blk_per_split,
         float(sm_scale) * _LOG2E,
         GROUP=G, DTYPE=_TL_DTYPE[q.dtype], PS=PS, HALF=D // 2, BLOCK_H=block_h, BLOCK_N=block_n,
-        SPLITS=num_splits, ROTATE=bool(rotate), PREC=_prec(q.dtype), IDX64=_idx64(k_pages, v_pages), num_warps=num_warps or 4, num_stages=num_stages or 2)
+        SPLITS=num_splits, ROTATE=bool(rotate), PREC=_prec(q.dtype), IDX64=_idx64(k_pages, v_pages),
+        RUNS=bool(runs), num_warps=num_warps or (8 if D == 64 else 4), num_stages=num_stages or 2)
     _decode_merge_kernel[(B, H)](op, lse, o, o.stride(0), o.stride(1), H, D=D, SPLITS=num_splits,
                                  SPLITS_P2=triton.next_power_of_2(num_splits), num_warps=4)
     return o

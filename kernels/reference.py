@@ -37,30 +37,43 @@ def _attend_one(qb, mpos, k_pages, v_pages, ids, delta, start, length, inv_freq,
     valid = (j[None, :] < length.long()[:, None]).reshape(N)
     mask = valid[None, :] & (kpos[None, :] <= mpos.long()[:, None])  # [L, N]
 
-    K = k_pages[ids.long()].reshape(N, Hkv, D).to(torch.float32).permute(1, 2, 0)  # [Hkv, D, N]
+    # keys-major layout: scores [Hkv, N, G*L], so each run of keys is a contiguous row block
+    K = k_pages[ids.long()].reshape(N, Hkv, D).to(torch.float32).permute(1, 0, 2).contiguous()  # [Hkv, N, D]
     V = v_pages[ids.long()].reshape(N, Hkv, D).to(torch.float32).permute(1, 0, 2)  # [Hkv, N, D]
     qf = qb.to(torch.float32)
 
-    def group(x):  # [L, H, D] -> [Hkv, G*L, D]
-        return x.reshape(L, Hkv, G, D).permute(1, 2, 0, 3).reshape(Hkv, G * L, D)
+    def group_t(x):  # [L, H, D] -> [Hkv, D, G*L]
+        return x.reshape(L, Hkv, G, D).permute(1, 3, 2, 0).reshape(Hkv, D, G * L)
 
     if rotate:
-        scores = torch.empty(Hkv, G * L, N, device=dev, dtype=torch.float32)
-        uniq, inverse = torch.unique(delta, return_inverse=True)
-        key_group = inverse.repeat_interleave(PS)  # [N]
-        for ui, du in enumerate(uniq.tolist()):
-            qr = _rope(qf, mpos - du, inv_freq).to(qb.dtype).to(torch.float32)
-            sel = (key_group == ui).nonzero().squeeze(1)
-            scores[:, :, sel] = torch.bmm(group(qr), K[:, :, sel])
+        scores = torch.empty(Hkv, N, G * L, device=dev, dtype=torch.float32)
+        # runs of consecutive pages with one delta: one rotation per distinct delta, one matmul
+        # per (run, kv head), written in place
+        dl = delta.tolist()
+        qcache = {}
+        a = 0
+        while a < n:
+            b = a + 1
+            while b < n and dl[b] == dl[a]:
+                b += 1
+            du = dl[a]
+            if du not in qcache:
+                qcache[du] = group_t(_rope(qf, mpos - du, inv_freq).to(qb.dtype).to(torch.float32)).contiguous()
+            qt = qcache[du]
+            for h in range(Hkv):
+                torch.mm(K[h, a * PS:b * PS], qt[h], out=scores[h, a * PS:b * PS])
+            a = b
     else:
-        scores = torch.bmm(group(qf), K)
-    scores = scores.view(Hkv, G, L, N) * sm_scale
-    scores = scores.masked_fill(~mask[None, None], float("-inf"))
-    m = scores.amax(dim=-1, keepdim=True)
+        scores = torch.bmm(K, group_t(qf))
+    scores = scores.view(Hkv, N, G, L)
+    scores.mul_(sm_scale)
+    scores.masked_fill_(~mask.t()[None, :, None, :], float("-inf"))
+    m = scores.amax(dim=1, keepdim=True)
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    p = torch.exp(scores - m)
-    l = p.sum(dim=-1, keepdim=True)
-    o = torch.matmul(p.view(Hkv, G * L, N), V).view(Hkv, G, L, D)
+    scores.sub_(m).exp_()
+    l = scores.sum(dim=1)  # [Hkv, G, L]
+    o = torch.bmm(scores.view(Hkv, N, G * L).transpose(1, 2), V).view(Hkv, G, L, D)
+    l = l[..., None]
     o = torch.where(l > 0, o / l.clamp_min(1e-30), torch.zeros_like(o))
     return o.permute(2, 0, 1, 3).reshape(L, H, D)
 

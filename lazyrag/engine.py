@@ -26,7 +26,7 @@ import torch
 import kernels
 from lazyrag.cache import ChunkCache, Resident
 from lazyrag.models import LoadedModel
-from lazyrag.paged import OutOfPages, PagedAttention, PagePool, PageRef, page_refs, slots_for
+from lazyrag.paged import START, OutOfPages, PagedAttention, PagePool, page_rows, slots_for
 from lazyrag.store import ChunkInfo, Store
 
 MODES = ("lazy", "block", "full")
@@ -49,7 +49,7 @@ class Request:
     _entries: list[Resident] = field(default_factory=list)
     _own_pages: list[int] = field(default_factory=list)      # prompt (question) and answer tokens
     _copy_pages: list[int] = field(default_factory=list)     # block mode's private chunk copies
-    _context: list[PageRef] = field(default_factory=list)   # pages before the request's own tokens
+    _context: torch.Tensor | None = None                    # page rows before the request's own tokens
     _own_start: int = 0                                       # logical position of its first own token
     _fed: int = 0                                             # own tokens whose K/V are in the pool
 
@@ -71,7 +71,7 @@ class Sampling:
 
 class Engine:
     def __init__(self, loaded: LoadedModel, store: Store, mode: str, cache_bytes: float, batch_size: int,
-                 sampling: Sampling = Sampling(), host_cache_bytes: float = 0):
+                 sampling: Sampling = Sampling(), host_cache_bytes: float = 0, stop_at_eos: bool = True):
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
         s = store.settings
@@ -85,13 +85,13 @@ class Engine:
         self.P = len(self.preamble_ids)
         self.sm_scale = loaded.cfg.head_dim ** -0.5
         self.vocab = len(loaded.tokenizer)
-        self.eos = loaded.eos_ids
+        self.eos = loaded.eos_ids if stop_at_eos else set()  # benchmarks fix the answer length
         self.generator = torch.Generator(device=self.device).manual_seed(sampling.seed)
-        self.preamble: list[PageRef] = []
+        self.preamble = page_rows([], 0, 0, 0, self.page_size)
         if mode != "full":  # one shared copy of the preamble, at positions 0..P-1, never evicted
             pages = self.cache.alloc(self.pool.pages_for(self.P))
-            self.preamble = page_refs(pages, 0, self.P, 0, self.page_size)
-            self._forward([self.preamble_ids], [[]], [self.preamble], [0], lazy=False)
+            self.preamble = page_rows(pages, 0, self.P, 0, self.page_size)
+            self._forward([self.preamble_ids], [self.preamble[:0]], [self.preamble], [0], lazy=False)
 
     # -- the loop -------------------------------------------------------------------
     def run(self, requests: Iterable[Request], on_finish: Callable[[Request], None],
@@ -112,6 +112,9 @@ class Engine:
                 for r in list(waiting)[: lookahead]:
                     self.cache.prefetch(r.chunks)
             admitted = self._admit(waiting, running)
+            if not admitted and not running and waiting and waiting[0].arrival > time.perf_counter():
+                time.sleep(waiting[0].arrival - time.perf_counter())  # open-loop: idle until the next arrival
+                continue
             if admitted:
                 self._accept(admitted, self._prefill(admitted))
                 running.extend(admitted)
@@ -128,7 +131,8 @@ class Engine:
 
     def _admit(self, waiting: deque, running: list) -> list[Request]:
         admitted = []
-        while waiting and len(running) + len(admitted) < self.batch_size:
+        now = time.perf_counter()
+        while waiting and len(running) + len(admitted) < self.batch_size and waiting[0].arrival <= now:
             r = waiting[0]
             if not self._fits(r):
                 if running or admitted:
@@ -160,7 +164,7 @@ class Engine:
 
     def _place(self, r: Request) -> None:
         """Pin or copy the request's chunks and give it pages for its own tokens."""
-        ps, pos, context = self.page_size, self.P, list(self.preamble)
+        ps, pos, context = self.page_size, self.P, [self.preamble]
         copies: list[tuple[list[int], list[int], int]] = []
         chunks = r.chunks if self.mode != "full" else []
         # pin the resident chunks first, so loading the others cannot evict them
@@ -174,17 +178,17 @@ class Engine:
         for info, entry in zip(chunks, entries):
             delta = pos - self.P  # the chunk was encoded at P.., it now starts at pos
             if self.mode == "lazy":
-                context += page_refs(entry.pages, self.P, info.length, delta, ps)
+                context.append(page_rows(entry.pages, self.P, info.length, delta, ps))
             else:  # block: a private copy whose keys sit at their logical positions
                 dst = self.cache.alloc(len(entry.pages))
                 r._copy_pages += dst
                 copies.append((entry.pages, dst, delta))
-                context += page_refs(dst, pos, info.length, 0, ps)
+                context.append(page_rows(dst, pos, info.length, 0, ps))
             pos += info.length
         if self.mode == "full":
             pos = 0
         r._own_pages = self.cache.alloc(self.pool.pages_for(self._own_len(r)))
-        r._context, r._own_start = context, pos
+        r._context, r._own_start = torch.cat(context), pos
         if copies:
             self._rotate_copy(copies)
             for e in r._entries:  # the copy is all the request needs now
@@ -202,8 +206,8 @@ class Engine:
                             (layer_base + dst).flatten().to(self.device),
                             delta.repeat(self.pool.num_layers).to(self.device), self.loaded.model.inv_freq)
 
-    def _own_refs(self, r: Request, tokens: int) -> list[PageRef]:
-        return page_refs(r._own_pages, r._own_start, tokens, 0, self.page_size)
+    def _own_rows(self, r: Request, tokens: int) -> torch.Tensor:
+        return page_rows(r._own_pages, r._own_start, tokens, 0, self.page_size)
 
     def _prompt_own_ids(self, r: Request) -> list[int]:
         if self.mode == "full":
@@ -213,7 +217,7 @@ class Engine:
     def _prefill(self, batch: list[Request]) -> torch.Tensor:
         """Feed the placed requests' prompt tokens; the logits of each one's last token."""
         ids = [self._prompt_own_ids(r) for r in batch]
-        own = [self._own_refs(r, len(t)) for r, t in zip(batch, ids)]
+        own = [self._own_rows(r, len(t)) for r, t in zip(batch, ids)]
         logits = self._forward(ids, [r._context for r in batch], own, [0] * len(batch), lazy=self.mode == "lazy")
         for r, t in zip(batch, ids):
             r._fed = len(t)
@@ -221,7 +225,7 @@ class Engine:
 
     def _decode(self, running: list[Request]) -> torch.Tensor:
         ids = [[r.generated[-1]] for r in running]
-        own = [self._own_refs(r, r._fed + 1) for r in running]
+        own = [self._own_rows(r, r._fed + 1) for r in running]
         logits = self._forward(ids, [r._context for r in running], own, [r._fed for r in running],
                                lazy=self.mode == "lazy")
         for r in running:
@@ -231,10 +235,11 @@ class Engine:
     def _forward(self, token_lists, contexts, owns, first, lazy: bool) -> torch.Tensor:
         """One step: new tokens token_lists[b] go to own slots from index first[b]."""
         ps = self.page_size
-        positions = torch.cat([torch.arange(o[0].start + f, o[0].start + f + len(t))
+        positions = torch.cat([torch.arange(int(o[0, START]) + f, int(o[0, START]) + f + len(t))
                                for t, o, f in zip(token_lists, owns, first)])
-        slots = [s for t, o, f in zip(token_lists, owns, first) for s in slots_for(o, f, len(t), ps)]
-        attention = PagedAttention(self.pool, [c + o for c, o in zip(contexts, owns)], [len(t) for t in token_lists],
+        slots = torch.cat([slots_for(o, f, len(t), ps) for t, o, f in zip(token_lists, owns, first)])
+        attention = PagedAttention(self.pool, [torch.cat((c, o)) for c, o in zip(contexts, owns)],
+                                   [len(t) for t in token_lists],
                                    positions, slots, self.loaded.model.inv_freq, self.sm_scale, lazy=lazy)
         tokens = torch.tensor([i for t in token_lists for i in t], device=self.device)
         hidden = self.loaded.model(tokens, positions.to(self.device), attention)

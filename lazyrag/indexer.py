@@ -19,7 +19,7 @@ import torch
 from lazyrag.config import IndexConfig
 from lazyrag.corpus import CorpusStats, chunk_document, read_corpus
 from lazyrag.models import LoadedModel, load_model
-from lazyrag.paged import PagedAttention, PagePool, page_refs, slots_for
+from lazyrag.paged import START, PagedAttention, PagePool, page_rows, slots_for
 from lazyrag.prompt import PromptFormat
 from lazyrag.store import NewChunk, Store, StoreSettings, chunk_id_for, kv_to_storage
 
@@ -66,14 +66,16 @@ class ChunkEncoder:
         self.pool = PagePool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, pre_pages + batch_pages, page_size,
                              loaded.dtype, loaded.device)
         self.sm_scale = cfg.head_dim ** -0.5
-        self.preamble = page_refs(self.pool.alloc(pre_pages), 0, self.preamble_len, 0, page_size)
-        self._forward([preamble_ids], [[]], [self.preamble])
+        self.preamble = page_rows(self.pool.alloc(pre_pages), 0, self.preamble_len, 0, page_size)
+        self._forward([preamble_ids], [self.preamble[:0]], [self.preamble])
 
-    def _forward(self, token_lists: list[list[int]], context: list[list], own: list[list]) -> None:
+    def _forward(self, token_lists: list[list[int]], context: list[torch.Tensor], own: list[torch.Tensor]) -> None:
         ps = self.pool.page_size
-        positions = torch.cat([torch.arange(r[0].start, r[0].start + len(t)) for t, r in zip(token_lists, own)])
-        slots = [s for t, r in zip(token_lists, own) for s in slots_for(r, 0, len(t), ps)]
-        attention = PagedAttention(self.pool, [c + r for c, r in zip(context, own)], [len(t) for t in token_lists],
+        positions = torch.cat([torch.arange(int(r[0, START]), int(r[0, START]) + len(t))
+                               for t, r in zip(token_lists, own)])
+        slots = torch.cat([slots_for(r, 0, len(t), ps) for t, r in zip(token_lists, own)])
+        attention = PagedAttention(self.pool, [torch.cat((c, r)) for c, r in zip(context, own)],
+                                   [len(t) for t in token_lists],
                                    positions, slots, self.loaded.model.inv_freq, self.sm_scale, lazy=True)
         tokens = torch.tensor([i for t in token_lists for i in t], device=self.loaded.device)
         self.loaded.model(tokens, positions.to(self.loaded.device), attention)
@@ -83,7 +85,7 @@ class ChunkEncoder:
         ps = self.pool.page_size
         pages = [self.pool.alloc(self.pool.pages_for(len(t))) for t in token_lists]
         try:
-            own = [page_refs(p, self.preamble_len, len(t), 0, ps) for p, t in zip(pages, token_lists)]
+            own = [page_rows(p, self.preamble_len, len(t), 0, ps) for p, t in zip(pages, token_lists)]
             self._forward(token_lists, [self.preamble] * len(token_lists), own)
             kv = self.pool.read_tokens([p for ps_ in pages for p in ps_])
             # zero each chunk's page padding: reused pages hold old tokens, and the store should
@@ -132,9 +134,10 @@ class StoreWriter:
             raise self.error
 
 
-def build_index(cfg: IndexConfig, report=print, progress: bool = True) -> IndexResult:
+def build_index(cfg: IndexConfig, report=print, progress: bool = True, loaded: LoadedModel | None = None) -> IndexResult:
+    """Index cfg.corpus into cfg.store (`loaded`: an already loaded cfg.model, to skip loading)."""
     t0 = time.perf_counter()
-    loaded = load_model(cfg.model, cfg.device, cfg.dtype, cfg.trust_remote_code)
+    loaded = loaded or load_model(cfg.model, cfg.device, cfg.dtype, cfg.trust_remote_code)
     settings = store_settings(loaded, cfg.model, cfg.chunk_tokens, cfg.page_size)
     with Store.create_or_open(cfg.store, settings) as store:
         return _index_into(store, loaded, settings, cfg, report, progress, t0)

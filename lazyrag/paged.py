@@ -2,9 +2,9 @@
 
 `PagePool` is the memory: one tensor [2 (k/v), layers, num_pages, page_size,
 kv_heads, head_dim] and a free list (k/v outermost, so all layers' key pages form
-one [layers * num_pages, ...] array: block mode copies every layer in one launch). A request sees the pool through a list of
-`PageRef`s: which physical page, its rotation shift `delta`, the stored position
-of its first token and how many of its tokens are valid. `PagedAttention` is the
+one [layers * num_pages, ...] array: block mode copies every layer in one launch). A request sees the pool through page rows
+(see `page_rows`): which physical page, its rotation shift `delta`, the stored
+position of its first token and how many of its tokens are valid. `PagedAttention` is the
 callable the model's layers call: it writes the step's new K/V into their slots,
 then runs the kernels over each request's page list.
 
@@ -14,8 +14,6 @@ at their logical positions (`block`, `full`).
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 
@@ -86,40 +84,36 @@ class PagePool:
         return x.permute(2, 3, 1, 0, 4, 5).reshape(len(pages) * self.page_size, x.shape[1], 2, *x.shape[4:])
 
 
-@dataclass(frozen=True)
-class PageRef:
-    page: int
-    delta: int      # logical position - stored position
-    start: int      # stored position of the page's first token
-    length: int     # valid tokens
+# A request's view of the pool is a tensor of page rows [n, 4] int32, in logical order:
+PAGE, DELTA, START, LENGTH = range(4)
+# page: physical page; delta: logical - stored position; start: stored position of the
+# page's first token; length: valid tokens in the page.
 
 
-def page_refs(pages: list[int], start: int, tokens: int, delta: int, page_size: int) -> list[PageRef]:
-    """Refs for a run of `tokens` tokens stored from position `start` in consecutive pages."""
-    refs = []
-    for i, page in enumerate(pages):
-        n = min(page_size, tokens - i * page_size)
-        if n <= 0:
-            break
-        refs.append(PageRef(page, delta, start + i * page_size, n))
-    return refs
+def page_rows(pages: list[int], start: int, tokens: int, delta: int, page_size: int) -> torch.Tensor:
+    """Rows for a run of `tokens` tokens stored from position `start` in consecutive pages."""
+    n = -(-tokens // page_size)
+    i = torch.arange(n, dtype=torch.int32)
+    rows = torch.empty(n, 4, dtype=torch.int32)
+    rows[:, PAGE] = torch.tensor(pages[:n], dtype=torch.int32)
+    rows[:, DELTA] = delta
+    rows[:, START] = start + i * page_size
+    rows[:, LENGTH] = (tokens - i * page_size).clamp(max=page_size)
+    return rows
 
 
-def page_table(requests: list[list[PageRef]], device: torch.device) -> kernels.PageTable:
-    width = max(1, max(len(r) for r in requests))
-    cols = torch.zeros(4, len(requests), width, dtype=torch.int32)
-    for b, refs in enumerate(requests):
-        if refs:
-            cols[:, b, : len(refs)] = torch.tensor([[r.page, r.delta, r.start, r.length] for r in refs],
-                                                   dtype=torch.int32).T
-    cols = cols.to(device)
-    count = torch.tensor([len(r) for r in requests], dtype=torch.int32, device=device)
-    return kernels.PageTable(ids=cols[0], delta=cols[1], start=cols[2], length=cols[3], count=count)
+def page_table(requests: list[torch.Tensor], device: torch.device) -> kernels.PageTable:
+    count = torch.tensor([len(r) for r in requests], dtype=torch.int32)
+    table = torch.nn.utils.rnn.pad_sequence(requests, batch_first=True).to(device)  # [B, W, 4]
+    return kernels.PageTable(ids=table[..., PAGE].contiguous(), delta=table[..., DELTA].contiguous(),
+                             start=table[..., START].contiguous(), length=table[..., LENGTH].contiguous(),
+                             count=count.to(device))
 
 
-def slots_for(refs: list[PageRef], first: int, n: int, page_size: int) -> list[int]:
-    """Flat pool slots (page * page_size + offset) of tokens first..first+n-1 of a run of refs."""
-    return [refs[i // page_size].page * page_size + i % page_size for i in range(first, first + n)]
+def slots_for(rows: torch.Tensor, first: int, n: int, page_size: int) -> torch.Tensor:
+    """Flat pool slots (page * page_size + offset) of tokens first..first+n-1 of a run of rows."""
+    i = torch.arange(first, first + n)
+    return rows[i // page_size, PAGE].long() * page_size + i % page_size
 
 
 class PagedAttention:
@@ -129,13 +123,13 @@ class PagedAttention:
     positions; slots: where their K/V go; lazy: rotate queries per page in the kernel.
     """
 
-    def __init__(self, pool: PagePool, requests: list[list[PageRef]], q_lens: list[int],
-                 positions: torch.Tensor, slots: list[int], inv_freq: torch.Tensor, sm_scale: float, lazy: bool):
+    def __init__(self, pool: PagePool, requests: list[torch.Tensor], q_lens: list[int],
+                 positions: torch.Tensor, slots: torch.Tensor, inv_freq: torch.Tensor, sm_scale: float, lazy: bool):
         dev = pool.kv.device
         self.pool = pool
         self.pages = page_table(requests, dev)
         self.positions = positions.to(device=dev, dtype=torch.int32)
-        self.slots = torch.tensor(slots, dtype=torch.long, device=dev)
+        self.slots = slots.to(dev)
         self.decode = all(n == 1 for n in q_lens)
         cu = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
         cu[1:] = torch.tensor(q_lens).cumsum(0)

@@ -11,7 +11,7 @@ from lazyrag.cache import ChunkCache
 from lazyrag.config import IndexConfig
 from lazyrag.engine import Engine, Request
 from lazyrag.indexer import build_index
-from lazyrag.paged import PagePool
+from lazyrag.paged import DELTA, PAGE, PagePool
 from lazyrag.prompt import PromptFormat
 from lazyrag.store import Store
 
@@ -150,9 +150,9 @@ def test_shared_chunk_occupies_the_pool_once(tmp_path, tiny):
     pages = engine.cache.resident[nile.chunk_id].pages
     deltas = {}
     for r in (r1, r2):
-        refs = [ref for ref in r._context if ref.page == pages[0]]
-        assert len(refs) == 1
-        deltas[r.id] = refs[0].delta
+        rows = r._context[r._context[:, PAGE] == pages[0]]
+        assert len(rows) == 1
+        deltas[r.id] = int(rows[0, DELTA])
     assert deltas["1"] == 0 and deltas["2"] > 0  # one physical copy, two different shifts
     assert engine.cache.resident[nile.chunk_id].pins == 2
 

@@ -303,21 +303,36 @@ KERNEL_CASES = [
 
 @pytest.mark.parametrize("name,kw", KERNEL_CASES, ids=[k[0] for k in KERNEL_CASES])
 @pytest.mark.parametrize("rotate", [True, False])
-def test_prefill_interp(interp, name, kw, rotate):
+@pytest.mark.parametrize("runs", [False, True])
+def test_prefill_interp(interp, name, kw, rotate, runs):
     c = make_case(**kw)
     want = reference.lazy_prefill(c.q, c.k_pages, c.v_pages, c.pages, c.cu, c.q_pos, c.inv_freq, c.sm_scale,
                                   rotate=rotate)
     out = torch.full_like(c.q, float("nan"))
     got = kernels.lazy_prefill(c.q, c.k_pages, c.v_pages, c.pages, c.cu, c.q_pos, c.inv_freq, c.sm_scale,
-                               rotate=rotate, out=out)
+                               rotate=rotate, out=out, runs=runs)
     assert got is out
     assert not torch.isnan(got).any(), "unwritten output elements"
     assert rel_err(got, want) < tol(c.q.dtype), rel_err(got, want)
 
 
+@pytest.mark.parametrize("name,kw", [KERNEL_CASES[i] for i in (0, 2, 5, 7)],
+                         ids=[KERNEL_CASES[i][0] for i in (0, 2, 5, 7)])
+def test_prefill_interp_wide_tile(interp, name, kw):
+    """BLOCK_M >= BLOCK_N: blocks straddling deltas take the key-rotation path."""
+    c = make_case(**kw)
+    want = reference.lazy_prefill(c.q, c.k_pages, c.v_pages, c.pages, c.cu, c.q_pos, c.inv_freq, c.sm_scale)
+    for runs in (False, True):
+        got = kernels.lazy_prefill(c.q, c.k_pages, c.v_pages, c.pages, c.cu, c.q_pos, c.inv_freq, c.sm_scale,
+                                   out=torch.full_like(c.q, float("nan")), block_m=64, block_n=64, runs=runs)
+        assert not torch.isnan(got).any(), "unwritten output elements"
+        assert rel_err(got, want) < tol(c.q.dtype), rel_err(got, want)
+
+
 @pytest.mark.parametrize("name,kw", KERNEL_CASES[:6], ids=[k[0] for k in KERNEL_CASES[:6]])
 @pytest.mark.parametrize("splits", [None, 3])
-def test_decode_interp(interp, name, kw, splits):
+@pytest.mark.parametrize("runs", [False, True])
+def test_decode_interp(interp, name, kw, splits, runs):
     kw = dict(kw)
     n = len(kw.get("plan") or [0, 1, 2])
     kw["q_lens"] = [1] * n
@@ -328,7 +343,7 @@ def test_decode_interp(interp, name, kw, splits):
                                      rotate=rotate)
         out = torch.full_like(c.q, float("nan"))
         got = kernels.lazy_decode(c.q, c.k_pages, c.v_pages, c.pages, c.q_pos, c.inv_freq, c.sm_scale,
-                                  rotate=rotate, out=out, num_splits=splits)
+                                  rotate=rotate, out=out, num_splits=splits, runs=runs)
         assert not torch.isnan(got).any(), "unwritten output elements"
         assert rel_err(got, want) < tol(c.q.dtype), rel_err(got, want)
 

@@ -1,0 +1,274 @@
+#!/usr/bin/env python
+"""End-to-end speed of lazy / block / full on the LazyAttention paper's workload (H200).
+
+100 documents of 2,048 tokens, Zipf(alpha) popularity (2.1, and uniform), 5 documents per
+prompt in random order, 32-token questions, 16 output tokens (EOS ignored). For each model:
+index the documents on the GPU, then in one process and on the same requests
+  closed   every request arrives at t=0 (TTFT includes queueing), per mode
+  poisson  open-loop arrivals at fractions of lazy's closed-batch throughput
+  sweep    lazy and block at several cache budgets: hit ratio and TTFT
+TTFT is measured from each request's arrival. Writes $OUT/bench_e2e.json and prints tables.
+`--plot results.json` draws the cache sweep (matplotlib) into docs/.
+
+Usage: python scripts/bench_e2e.py [--models random:llama3.2-1b,random:llama3-8b] [--requests 200]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import string
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+DOCS, DOC_TOKENS, PER_PROMPT, QUESTION_TOKENS, NEW_TOKENS = 100, 2048, 5, 32, 16  # --docs/--doc-tokens override
+
+
+def has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def sync() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def free_cache() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def words(rng: random.Random, n_chars: int) -> str:
+    """Plain lower-case text of exactly n_chars bytes (one token per byte for random:* models)."""
+    out = []
+    while sum(map(len, out)) < n_chars:
+        out.append("".join(rng.choices(string.ascii_lowercase, k=rng.randint(2, 9))) + " ")
+    return "".join(out)[:n_chars]
+
+
+def zipf_docs(rng: random.Random, alpha: float | None, n: int) -> list[list[str]]:
+    weights = [1.0] * DOCS if alpha is None else [1.0 / (k + 1) ** alpha for k in range(DOCS)]
+    prompts = []
+    for _ in range(n):
+        chosen: list[int] = []
+        while len(chosen) < PER_PROMPT:
+            d = rng.choices(range(DOCS), weights)[0]
+            if d not in chosen:
+                chosen.append(d)
+        rng.shuffle(chosen)
+        prompts.append([f"doc{d:03d}" for d in chosen])
+    return prompts
+
+
+def build_store(model: str, root: Path) -> tuple[Path, dict]:
+    from lazyrag.config import IndexConfig
+    from lazyrag.indexer import build_index
+
+    rng = random.Random(0)
+    corpus = root / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"id": f"doc{i:03d}", "text": words(rng, DOC_TOKENS)}) + "\n"
+                              for i in range(DOCS)))
+    store = root / (model.replace(":", "-") + ".zarr")
+    result = build_index(IndexConfig(corpus=corpus, store=store, model=model, chunk_tokens=DOC_TOKENS,
+                                     batch_tokens=16384), progress=False)
+    return store, result.to_json()
+
+
+def run(engine_args: dict, loaded, store, mode: str, prompts, questions, cache_gb: float, batch_size: int,
+        arrivals: list[float] | None = None) -> dict:
+    from lazyrag import metrics
+    from lazyrag.engine import Engine, Request
+
+    engine = Engine(loaded, store, mode, cache_gb * 2**30, batch_size, stop_at_eos=False, **engine_args)
+    chunks = {d: store.doc_chunks(d) for d in {d for p in prompts for d in p}}
+    fmt_q = [loaded.tokenizer(q, add_special_tokens=False)["input_ids"] for q in questions]
+    done: list = []
+    sync()
+    t0 = time.perf_counter()
+    offsets = arrivals or [0.0] * len(prompts)
+    reqs = [Request(f"r{i}", [c for d in p for c in chunks[d]], fmt_q[i], NEW_TOKENS, arrival=t0 + offsets[i])
+            for i, p in enumerate(prompts)]
+    engine.run(reqs, done.append, lookahead=64)
+    sync()
+    seconds = time.perf_counter() - t0
+    c = engine.cache.counters
+    engine.close()
+    out_tokens = sum(len(r.generated) for r in done)
+    result = {
+        "mode": mode, "requests": len(done), "seconds": round(seconds, 3), "cache_gb": cache_gb,
+        "batch_size": batch_size, "ttft_ms": metrics.summarize([r.ttft_ms for r in done]),
+        "latency_ms": metrics.summarize([r.latency_ms for r in done]),
+        "req_per_s": round(len(done) / seconds, 3), "out_tok_per_s": round(out_tokens / seconds, 1),
+        "hit_ratio": round(c.hit_ratio, 4), "token_hit_ratio": round(c.token_hit_ratio, 4),
+        "kv_peak_gb": round(c.peak_pages * c.page_bytes / 2**30, 2), "bytes_read_gb": round(c.bytes_read / 2**30, 2),
+        "evictions": c.evictions,
+    }
+    del engine
+    free_cache()
+    return result
+
+
+def bench_model(model: str, args, root: Path) -> dict:
+    from lazyrag.models import load_model
+    from lazyrag.store import Store
+
+    t = time.perf_counter()
+    store_path, index = build_store(model, root)
+    index["wall_s"] = round(time.perf_counter() - t, 1)
+    print(f"[{model}] indexed {index['tokens_total']:,} tokens in {index['seconds']}s", flush=True)
+    loaded = load_model(model, "auto", "bf16" if has_cuda() else "fp32")
+    store = Store.open(store_path)
+    rng = random.Random(1)
+    n = args.requests
+    questions = [words(rng, QUESTION_TOKENS) for _ in range(n)]
+    zipf = zipf_docs(rng, 2.1, n)
+    uniform = zipf_docs(rng, None, n)
+    out = {"model": model, "index": index, "closed": [], "uniform": [], "poisson": [], "sweep": []}
+    kw = {}
+    cache = args.cache_gb
+    # warm the kernels' compilation so it lands in no timed run
+    run(kw, loaded, store, "lazy", zipf[:4], questions[:4], cache, args.batch_size)
+    run(kw, loaded, store, "block", zipf[:4], questions[:4], cache, args.batch_size)
+    run(kw, loaded, store, "full", zipf[:2], questions[:2], cache, args.batch_size)
+    for mode in ("lazy", "block", "full"):
+        m = n if mode != "full" else min(n, args.full_requests)
+        r = run(kw, loaded, store, mode, zipf[:m], questions[:m], cache, args.batch_size)
+        out["closed"].append(r)
+        print(f"[{model}] closed zipf2.1 {mode}: {json.dumps(r)}", flush=True)
+    for mode in ("lazy", "block"):
+        r = run(kw, loaded, store, mode, uniform, questions, cache, args.batch_size)
+        out["uniform"].append(r)
+        print(f"[{model}] closed uniform {mode}: {json.dumps(r)}", flush=True)
+    lazy_rate = out["closed"][0]["req_per_s"]
+    for frac in args.rates:
+        rate = frac * lazy_rate
+        gaps = random.Random(2)
+        arrivals, t = [], 0.0
+        for _ in range(args.poisson_requests):
+            t += gaps.expovariate(rate)
+            arrivals.append(t)
+        m = args.poisson_requests
+        for mode in ("lazy", "block"):
+            r = run(kw, loaded, store, mode, zipf[:m], questions[:m], cache, args.batch_size, arrivals)
+            r["rate_req_s"] = round(rate, 3)
+            out["poisson"].append(r)
+            print(f"[{model}] poisson {rate:.2f}/s {mode}: {json.dumps(r)}", flush=True)
+    per_doc_gb = index["tokens_total"] / DOCS * loaded.cfg.num_layers * 2 * loaded.cfg.num_kv_heads \
+        * loaded.cfg.head_dim * 2 / 2**30
+    for docs in args.sweep_docs:
+        gb = docs * per_doc_gb * 1.05 + args.batch_size * 0.01
+        for mode in ("lazy", "block"):
+            try:
+                r = run(kw, loaded, store, mode, zipf, questions, gb, args.batch_size)
+            except Exception as exc:  # too small for block's copies: say so
+                r = {"mode": mode, "cache_gb": round(gb, 2), "error": str(exc)[:120]}
+            r["cache_docs"] = docs
+            out["sweep"].append(r)
+            print(f"[{model}] sweep {docs} docs ({gb:.1f} GB) {mode}: {json.dumps(r)}", flush=True)
+    del loaded
+    free_cache()
+    return out
+
+
+def table(results: list[dict]) -> str:
+    lines = ["| model | workload | mode | requests | TTFT mean / p50 / p95 ms | req/s | out tok/s | hit ratio "
+             "| KV peak GB |", "|---|---|---|---|---|---|---|---|---|"]
+    for res in results:
+        short = res["model"].split(":")[-1]
+        for label, rows in (("zipf 2.1 closed", res["closed"]), ("uniform closed", res["uniform"]),
+                            ("zipf 2.1 poisson", res["poisson"])):
+            for r in rows:
+                t = r["ttft_ms"]
+                wl = label + (f" {r['rate_req_s']}/s" if "rate_req_s" in r else "")
+                lines.append(f"| {short} | {wl} | {r['mode']} | {r['requests']} | {t['mean']:.0f} / {t['p50']:.0f} / "
+                             f"{t['p95']:.0f} | {r['req_per_s']:.2f} | {r['out_tok_per_s']:.0f} | "
+                             f"{r['hit_ratio']:.2f} | {r['kv_peak_gb']:.1f} |")
+        closed = {r["mode"]: r for r in res["closed"]}
+        uni = {r["mode"]: r for r in res["uniform"]}
+        lz, bl, fu = closed["lazy"], closed["block"], closed["full"]
+        lines.append(f"| {short} | **ratios** zipf | lazy vs block / full | | TTFT mean "
+                     f"{bl['ttft_ms']['mean'] / lz['ttft_ms']['mean']:.2f}x / {fu['ttft_ms']['mean'] / lz['ttft_ms']['mean']:.2f}x "
+                     f"| {lz['req_per_s'] / bl['req_per_s']:.2f}x / {lz['req_per_s'] / fu['req_per_s']:.2f}x | | | |")
+        lines.append(f"| {short} | **ratios** uniform | lazy vs block | | TTFT mean "
+                     f"{uni['block']['ttft_ms']['mean'] / uni['lazy']['ttft_ms']['mean']:.2f}x "
+                     f"| {uni['lazy']['req_per_s'] / uni['block']['req_per_s']:.2f}x | | | |")
+    return "\n".join(lines)
+
+
+def plot(path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results = json.loads(path.read_text())["results"]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for res in results:
+        for mode in ("lazy", "block"):
+            rows = [r for r in res["sweep"] if r["mode"] == mode and "error" not in r]
+            if not rows:
+                continue
+            x = [r["cache_gb"] for r in rows]
+            label = f"{res['model'].split(':')[-1]} {mode}"
+            axes[0].plot(x, [r["hit_ratio"] for r in rows], marker="o", label=label)
+            axes[1].plot(x, [r["ttft_ms"]["mean"] for r in rows], marker="o", label=label)
+    axes[0].set(xlabel="cache budget (GB)", ylabel="chunk hit ratio", title="hit ratio, Zipf 2.1")
+    axes[1].set(xlabel="cache budget (GB)", ylabel="mean TTFT (ms)", title="TTFT, Zipf 2.1 closed batch",
+                yscale="log")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    out = Path(__file__).resolve().parent.parent / "docs" / "cache_sweep.png"
+    fig.savefig(out, dpi=120)
+    print(f"wrote {out}")
+
+
+def main() -> None:
+    global DOCS, DOC_TOKENS
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="random:llama3.2-1b,random:llama3-8b")
+    ap.add_argument("--requests", type=int, default=200)
+    ap.add_argument("--full-requests", type=int, default=64, help="full mode recomputes 10k-token prompts")
+    ap.add_argument("--poisson-requests", type=int, default=100)
+    ap.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")], default=[0.3, 0.6, 0.9],
+                    help="arrival rates as fractions of lazy's closed-batch throughput")
+    ap.add_argument("--sweep-docs", type=lambda s: [int(x) for x in s.split(",")], default=[5, 10, 20, 50, 100],
+                    help="cache budgets, in documents' worth of KV")
+    ap.add_argument("--cache-gb", type=float, default=60.0)
+    ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--docs", type=int, default=DOCS)
+    ap.add_argument("--doc-tokens", type=int, default=DOC_TOKENS)
+    ap.add_argument("--plot", type=Path, help="draw docs/cache_sweep.png from a results file and exit")
+    args = ap.parse_args()
+    if args.plot:
+        return plot(args.plot)
+    DOCS, DOC_TOKENS = args.docs, args.doc_tokens
+    import torch
+
+    out_dir = Path(os.environ.get("OUT", "."))
+    root = Path(tempfile.mkdtemp(prefix="lazyrag-e2e-"))
+    results = []
+    info = {"gpu": torch.cuda.get_device_name() if has_cuda() else "cpu", "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
+            "command": " ".join(sys.argv)}
+    for model in args.models.split(","):
+        results.append(bench_model(model, args, root))
+        (out_dir / "bench_e2e.json").write_text(json.dumps({"info": info, "results": results}, indent=1))
+    print(table(results))
+    (out_dir / "bench_e2e.md").write_text(table(results) + "\n")
+
+
+if __name__ == "__main__":
+    main()

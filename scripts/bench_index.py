@@ -1,0 +1,132 @@
+#!/usr/bin/env python
+"""Indexing speed against its two ceilings, measured in the same run:
+  bare forward  the model over the same chunks in the same batches, nothing written
+  disk          `dd oflag=direct` sequential write to the store's filesystem, as tokens/s of KV
+Target: index tokens/s >= 90% of the lesser. Also: store bytes on disk against raw KV bytes.
+
+Usage: python scripts/bench_index.py --model random:llama3-8b --dtype bf16 --docs 64 --doc-tokens 2048
+       python scripts/bench_index.py            # CPU, default model, a small synthetic corpus
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from lazyrag.config import IndexConfig  # noqa: E402
+from lazyrag.corpus import chunk_document, read_corpus  # noqa: E402
+from lazyrag.indexer import ChunkEncoder, _batches, build_index, store_settings  # noqa: E402
+from lazyrag.models import load_model  # noqa: E402
+from lazyrag.store import NewChunk, Store  # noqa: E402
+
+
+def sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def synthetic_corpus(path: Path, docs: int, chars: int) -> None:
+    rng = random.Random(0)
+    vocab = ["the", "river", "flows", "north", "city", "was", "founded", "in", "year", "and", "its", "people",
+             "built", "a", "bridge", "across", "valley", "where", "trade", "grew", "."]
+    with open(path, "w") as fh:
+        for i in range(docs):
+            text = " ".join(rng.choice(vocab) for _ in range(chars // 5))
+            fh.write(json.dumps({"id": f"d{i}", "text": text}) + "\n")
+
+
+def disk_write_mb_s(directory: Path, mb: int) -> float:
+    target = directory / "dd.bin"
+    proc = subprocess.run(["dd", "if=/dev/zero", f"of={target}", "bs=16M", f"count={max(1, mb // 16)}",
+                           "oflag=direct", "conv=fsync"], capture_output=True, text=True)
+    target.unlink(missing_ok=True)
+    m = re.search(r"([\d.,]+) s, ([\d.,]+) ([kMG])B/s", proc.stderr)
+    if not m:
+        return float("nan")
+    secs = float(m.group(1).replace(",", "."))
+    copied = max(1, mb // 16) * 16 * 2**20
+    return copied / secs / 1e6
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--docs", type=int, default=24)
+    ap.add_argument("--doc-tokens", type=int, default=512, help="roughly; chunks of --chunk-tokens")
+    ap.add_argument("--chunk-tokens", type=int, default=512)
+    ap.add_argument("--batch-tokens", type=int, default=8192)
+    ap.add_argument("--dir", type=Path, default=None, help="where the store goes (default: a temp dir)")
+    args = ap.parse_args()
+
+    root = Path(args.dir or tempfile.mkdtemp(prefix="lazyrag-bench-index-"))
+    root.mkdir(parents=True, exist_ok=True)
+    corpus = root / "corpus.jsonl"
+    synthetic_corpus(corpus, args.docs, args.doc_tokens * 5)
+    loaded = load_model(args.model, args.device, args.dtype)
+    settings = store_settings(loaded, args.model, args.chunk_tokens, 16)
+    sep = list(settings.chunking["separator_ids"])
+    chunks = [NewChunk("", d.id, i, tuple(c.token_ids) + tuple(sep), c.text)
+              for d in read_corpus(corpus)
+              for i, c in enumerate(chunk_document(d.model_text, loaded.tokenizer, args.chunk_tokens))]
+    tokens = sum(len(c.token_ids) for c in chunks)
+    batch_pages = max(args.batch_tokens, args.chunk_tokens + len(sep)) // 16 + 1
+    encoder = ChunkEncoder(loaded, list(settings.preamble_ids), 16, batch_pages)
+    batches = list(_batches(chunks, batch_pages, 16))
+    encoder.encode([list(c.token_ids) for c in batches[0]])  # warm-up (Triton compilation)
+    sync()
+    t = time.perf_counter()
+    for b in batches:
+        encoder.encode([list(c.token_ids) for c in b])
+    sync()
+    bare_s = time.perf_counter() - t
+    del encoder
+
+    store_path = root / "s.zarr"
+    t = time.perf_counter()
+    build_index(IndexConfig(corpus=corpus, store=store_path, model=args.model, chunk_tokens=args.chunk_tokens,
+                            batch_tokens=args.batch_tokens), progress=False, loaded=loaded)
+    sync()
+    index_s = time.perf_counter() - t
+    summary = Store.open(store_path).summary()
+    cfg = loaded.cfg
+    per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * loaded.model.embed.weight.element_size()
+    raw = summary["padded_tokens"] * per_token
+    disk_mb_s = disk_write_mb_s(root, min(4096, max(256, raw // 2**20)))
+    disk_tok_s = disk_mb_s * 1e6 / per_token
+    bare_tok_s, index_tok_s = tokens / bare_s, tokens / index_s
+    bound = min(bare_tok_s, disk_tok_s)
+    device = torch.cuda.get_device_name() if loaded.device.type == "cuda" else "cpu"
+    rows = [
+        ("model / dtype / device", f"{args.model} / {str(loaded.dtype)[6:]} / {device}"),
+        ("chunks / tokens", f"{len(chunks)} / {tokens:,}"),
+        ("KV per token", f"{per_token / 1024:.0f} KiB"),
+        ("bare forward", f"{bare_tok_s:,.0f} tok/s"),
+        ("disk write (dd oflag=direct)", f"{disk_mb_s:,.0f} MB/s = {disk_tok_s:,.0f} tok/s of KV"),
+        ("index (build_index, model loaded)", f"{index_tok_s:,.0f} tok/s"),
+        ("index / min(forward, disk)", f"{index_tok_s / bound:.1%} (target >= 90%)"),
+        ("store on disk / raw KV", f"{summary['bytes'] / 1e6:,.1f} MB / {raw / 1e6:,.1f} MB = "
+                                   f"{summary['bytes'] / raw:.3f}"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    print("\n".join(f"{k:<{width}}  {v}" for k, v in rows))
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "bench_index.md").write_text(
+            "| measure | value |\n|---|---|\n" + "\n".join(f"| {k} | {v} |" for k, v in rows) + "\n")
+
+
+if __name__ == "__main__":
+    main()
