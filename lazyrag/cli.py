@@ -47,7 +47,7 @@ def index(
                               help="smollm2-135m, a local Hugging Face model directory, or random:<preset>."),
     chunk_tokens: int = typer.Option(512, min=16, help="Most tokens per chunk; cuts prefer paragraph, "
                                                        "then sentence boundaries."),
-    page_size: int = typer.Option(16, help="Tokens per KV page (chunks are padded to whole pages)."),
+    page_size: int = typer.Option(64, help="Tokens per KV page (chunks are padded to whole pages)."),
     batch_tokens: int = typer.Option(8192, min=64, help="Chunk tokens per forward pass."),
     device: str = DeviceOpt,
     dtype: str = typer.Option("auto", help="auto (bf16 on CUDA, fp32 on CPU), bf16, fp16 or fp32."),

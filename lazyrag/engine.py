@@ -232,8 +232,10 @@ class Engine:
             r._fed += 1
         return logits
 
-    def _forward(self, token_lists, contexts, owns, first, lazy: bool) -> torch.Tensor:
-        """One step: new tokens token_lists[b] go to own slots from index first[b]."""
+    def _forward(self, token_lists, contexts, owns, first, lazy: bool, select: torch.Tensor | None = None
+                 ) -> torch.Tensor:
+        """One step: new tokens token_lists[b] go to own slots from index first[b]. Returns the
+        logits of each list's last token, or of the packed token indices in `select`."""
         ps = self.page_size
         positions = torch.cat([torch.arange(int(o[0, START]) + f, int(o[0, START]) + f + len(t))
                                for t, o, f in zip(token_lists, owns, first)])
@@ -243,8 +245,34 @@ class Engine:
                                    positions, slots, self.loaded.model.inv_freq, self.sm_scale, lazy=lazy)
         tokens = torch.tensor([i for t in token_lists for i in t], device=self.device)
         hidden = self.loaded.model(tokens, positions.to(self.device), attention)
-        last = torch.tensor([len(t) for t in token_lists], device=self.device).cumsum(0) - 1
-        return self.loaded.model.logits(hidden[last])[:, : self.vocab]
+        if select is None:
+            select = torch.tensor([len(t) for t in token_lists]).cumsum(0) - 1
+        return self.loaded.model.logits(hidden[select.to(self.device)])[:, : self.vocab]
+
+    def continuation_logprobs(self, requests: list[Request], continuations: list[list[int]]) -> list[float]:
+        """Mean log-probability per token of each continuation after its request's prompt, by
+        teacher forcing (more sensitive than accuracy for a small model)."""
+        out = []
+        for i in range(0, len(requests), self.batch_size):
+            batch, conts = requests[i:i + self.batch_size], continuations[i:i + self.batch_size]
+            for r, cont in zip(batch, conts):
+                r.max_new_tokens = len(cont)
+                self._place(r)
+            ids = [self._prompt_own_ids(r) + cont for r, cont in zip(batch, conts)]
+            owns = [self._own_rows(r, len(t)) for r, t in zip(batch, ids)]
+            starts = torch.tensor([0] + [len(t) for t in ids]).cumsum(0)
+            # the logits at position j predict token j + 1: those before each continuation token
+            select = torch.cat([torch.arange(s + len(t) - len(c) - 1, s + len(t) - 1)
+                                for s, t, c in zip(starts.tolist(), ids, conts)])
+            logits = self._forward(ids, [r._context for r in batch], owns, [0] * len(batch),
+                                   lazy=self.mode == "lazy", select=select)
+            target = torch.tensor([t for c in conts for t in c], device=logits.device)
+            lp = torch.log_softmax(logits.float(), -1).gather(1, target[:, None])[:, 0].cpu()
+            for c, part in zip(conts, lp.split([len(c) for c in conts])):
+                out.append(part.mean().item())
+            for r in batch:
+                self._free(r)
+        return out
 
     def _accept(self, batch: list[Request], logits: torch.Tensor) -> None:
         next_ids = self._sample(logits).tolist()  # one sync per step

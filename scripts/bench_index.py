@@ -66,7 +66,7 @@ def main() -> None:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--docs", type=int, default=24)
-    ap.add_argument("--doc-tokens", type=int, default=512, help="roughly; chunks of --chunk-tokens")
+    ap.add_argument("--doc-tokens", type=int, default=512, help="roughly, for the default model (5 bytes a token)")
     ap.add_argument("--chunk-tokens", type=int, default=512)
     ap.add_argument("--batch-tokens", type=int, default=8192)
     ap.add_argument("--dir", type=Path, default=None, help="where the store goes (default: a temp dir)")
@@ -77,15 +77,16 @@ def main() -> None:
     corpus = root / "corpus.jsonl"
     synthetic_corpus(corpus, args.docs, args.doc_tokens * 5)
     loaded = load_model(args.model, args.device, args.dtype)
-    settings = store_settings(loaded, args.model, args.chunk_tokens, 16)
+    ps = IndexConfig(corpus=corpus).page_size
+    settings = store_settings(loaded, args.model, args.chunk_tokens, ps)
     sep = list(settings.chunking["separator_ids"])
     chunks = [NewChunk("", d.id, i, tuple(c.token_ids) + tuple(sep), c.text)
               for d in read_corpus(corpus)
               for i, c in enumerate(chunk_document(d.model_text, loaded.tokenizer, args.chunk_tokens))]
     tokens = sum(len(c.token_ids) for c in chunks)
-    batch_pages = max(args.batch_tokens, args.chunk_tokens + len(sep)) // 16 + 1
-    encoder = ChunkEncoder(loaded, list(settings.preamble_ids), 16, batch_pages)
-    batches = list(_batches(chunks, batch_pages, 16))
+    batch_pages = max(args.batch_tokens, args.chunk_tokens + len(sep)) // ps + 1
+    encoder = ChunkEncoder(loaded, list(settings.preamble_ids), ps, batch_pages)
+    batches = list(_batches(chunks, batch_pages, ps))
     encoder.encode([list(c.token_ids) for c in batches[0]])  # warm-up (Triton compilation)
     sync()
     t = time.perf_counter()

@@ -38,7 +38,7 @@ def requests(store, fmt):
 
 
 def prefill_logits(loaded, store, mode, monkeypatch=None):
-    engine = Engine(loaded, store, mode, cache_bytes=1 << 30, batch_size=8)
+    engine = Engine(loaded, store, mode, cache_bytes=4 << 30, batch_size=8)
     reqs = requests(store, PromptFormat(loaded.tokenizer))
     for r in reqs:
         engine._place(r)
@@ -71,7 +71,7 @@ def test_lazy_block_full_agree_on_gpu(setup):
 def test_generation_runs_in_every_mode(setup):
     loaded, store = setup
     for mode in ("lazy", "block", "full"):
-        engine = Engine(loaded, store, mode, cache_bytes=1 << 30, batch_size=2, stop_at_eos=False)
+        engine = Engine(loaded, store, mode, cache_bytes=4 << 30, batch_size=2, stop_at_eos=False)
         done = []
         engine.run(requests(store, PromptFormat(loaded.tokenizer)), done.append)
         engine.close()
