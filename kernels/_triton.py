@@ -368,7 +368,7 @@ def _block_n(ps: int, head_dim: int) -> int:
 
 def lazy_prefill(q, k_pages, v_pages, pages: PageTable, cu_seqlens_q, q_pos, inv_freq, sm_scale, rotate=True,
                  max_seqlen_q: int | None = None, block_m: int | None = None, block_n: int | None = None,
-                 num_warps: int | None = None, num_stages: int | None = None, runs: bool = False, out=None):
+                 num_warps: int | None = None, num_stages: int | None = None, runs: bool = True, out=None):
     total, H, D = q.shape
     _, PS, Hkv, _ = k_pages.shape
     B = pages.ids.shape[0]
@@ -401,7 +401,7 @@ def lazy_prefill(q, k_pages, v_pages, pages: PageTable, cu_seqlens_q, q_pos, inv
 
 def lazy_decode(q, k_pages, v_pages, pages: PageTable, q_pos, inv_freq, sm_scale, rotate=True,
                 num_splits: int | None = None, block_n: int | None = None, num_warps: int | None = None,
-                num_stages: int | None = None, runs: bool = False, out=None):
+                num_stages: int | None = None, runs: bool = True, out=None):
     B, H, D = q.shape
     _, PS, Hkv, _ = k_pages.shape
     G = H // Hkv

@@ -101,14 +101,18 @@ class ChunkEncoder:
 
 
 class StoreWriter:
-    """Appends batches on a thread behind a bounded queue, so compute never waits on disk."""
+    """Appends batches on writer threads behind a bounded queue, so compute never waits on
+    disk. Each batch becomes its own segment, so several can be written at once: while one
+    thread waits for fsync, another copies its batch off the GPU and writes."""
 
-    def __init__(self, store: Store, depth: int = 2):
+    def __init__(self, store: Store, threads: int = 3):
         self.store = store
-        self.queue: queue.Queue = queue.Queue(maxsize=depth)
+        self.queue: queue.Queue = queue.Queue(maxsize=threads)
         self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, name="lazyrag-writer", daemon=True)
-        self.thread.start()
+        self.threads = [threading.Thread(target=self._run, name=f"lazyrag-writer-{i}", daemon=True)
+                        for i in range(threads)]
+        for t in self.threads:
+            t.start()
 
     def _run(self) -> None:
         while (item := self.queue.get()) is not None:
@@ -125,8 +129,10 @@ class StoreWriter:
         self.queue.put((chunks, kv))
 
     def close(self) -> None:
-        self.queue.put(None)
-        self.thread.join()
+        for _ in self.threads:
+            self.queue.put(None)
+        for t in self.threads:
+            t.join()
         self._check()
 
     def _check(self) -> None:

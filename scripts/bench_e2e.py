@@ -120,7 +120,8 @@ def run(engine_args: dict, loaded, store, mode: str, prompts, questions, cache_g
     return result
 
 
-def bench_model(model: str, args, root: Path) -> dict:
+def bench_model(model: str, args, root: Path, save) -> dict:
+    """All runs for one model; `save(partial)` after each, so a time limit loses nothing."""
     from lazyrag.models import load_model
     from lazyrag.store import Store
 
@@ -146,10 +147,12 @@ def bench_model(model: str, args, root: Path) -> dict:
         m = n if mode != "full" else min(n, args.full_requests)
         r = run(kw, loaded, store, mode, zipf[:m], questions[:m], cache, args.batch_size)
         out["closed"].append(r)
+        save(out)
         print(f"[{model}] closed zipf2.1 {mode}: {json.dumps(r)}", flush=True)
     for mode in ("lazy", "block"):
         r = run(kw, loaded, store, mode, uniform, questions, cache, args.batch_size)
         out["uniform"].append(r)
+        save(out)
         print(f"[{model}] closed uniform {mode}: {json.dumps(r)}", flush=True)
     lazy_rate = out["closed"][0]["req_per_s"]
     for frac in args.rates:
@@ -164,6 +167,7 @@ def bench_model(model: str, args, root: Path) -> dict:
             r = run(kw, loaded, store, mode, zipf[:m], questions[:m], cache, args.batch_size, arrivals)
             r["rate_req_s"] = round(rate, 3)
             out["poisson"].append(r)
+            save(out)
             print(f"[{model}] poisson {rate:.2f}/s {mode}: {json.dumps(r)}", flush=True)
     per_doc_gb = index["tokens_total"] / DOCS * loaded.cfg.num_layers * 2 * loaded.cfg.num_kv_heads \
         * loaded.cfg.head_dim * 2 / 2**30
@@ -176,6 +180,7 @@ def bench_model(model: str, args, root: Path) -> dict:
                 r = {"mode": mode, "cache_gb": round(gb, 2), "error": str(exc)[:120]}
             r["cache_docs"] = docs
             out["sweep"].append(r)
+            save(out)
             print(f"[{model}] sweep {docs} docs ({gb:.1f} GB) {mode}: {json.dumps(r)}", flush=True)
     del loaded
     free_cache()
@@ -263,9 +268,13 @@ def main() -> None:
     results = []
     info = {"gpu": torch.cuda.get_device_name() if has_cuda() else "cpu", "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
             "command": " ".join(sys.argv)}
+    def save(partial: dict | None = None) -> None:
+        done = results + ([partial] if partial else [])
+        (out_dir / "bench_e2e.json").write_text(json.dumps({"info": info, "results": done}, indent=1))
+
     for model in args.models.split(","):
-        results.append(bench_model(model, args, root))
-        (out_dir / "bench_e2e.json").write_text(json.dumps({"info": info, "results": results}, indent=1))
+        results.append(bench_model(model, args, root, save))
+        save()
     print(table(results))
     (out_dir / "bench_e2e.md").write_text(table(results) + "\n")
 

@@ -37,6 +37,7 @@ from kernels import PageTable  # noqa: E402
 DEV = "cpu" if SMOKE else "cuda"
 DT = torch.float16 if SMOKE else torch.bfloat16
 QUICK = "--quick" in sys.argv
+RUNS_ONLY = "--runs" in sys.argv  # compare runs=False/True only, page size 64
 ROWS: list[dict] = []
 LOG: list[str] = []
 
@@ -298,25 +299,28 @@ def main():
     bw_lim = f"{copy_bw:.2f} TB/s copy"
     mm_lim = f"{mm:.0f} TFLOP/s mm"
 
-    # runs=True: the run-by-run loop (query rotated outside the inner key loop), opt-in until measured
-    dec_cfgs = [dict(block_n=64, num_warps=4), dict(block_n=64, num_warps=8), dict(block_n=64, num_warps=4, runs=True),
-                dict(block_n=64, num_warps=8, runs=True)]
-    pre_cfgs = [dict(block_m=64, block_n=64, num_warps=4, num_stages=2),
-                dict(block_m=128, block_n=64, num_warps=8, num_stages=2),
+    # runs=True (the default): the run-by-run loop, query rotated outside the inner key loop
+    dec_cfgs = [dict(block_n=64, num_warps=4, runs=False), dict(block_n=64, num_warps=8, runs=False),
+                dict(block_n=64, num_warps=4, runs=True), dict(block_n=64, num_warps=8, runs=True)]
+    pre_cfgs = [dict(block_m=64, block_n=64, num_warps=4, num_stages=2, runs=False),
+                dict(block_m=128, block_n=64, num_warps=8, num_stages=2, runs=False),
                 dict(block_m=64, block_n=64, num_warps=4, num_stages=2, runs=True),
                 dict(block_m=128, block_n=64, num_warps=8, num_stages=2, runs=True)]
     if QUICK:
         dec_cfgs, pre_cfgs = dec_cfgs[:1], pre_cfgs[:1]
+    if RUNS_ONLY:  # the two key loops side by side, at the measured page size
+        dec_cfgs, pre_cfgs = [dec_cfgs[0], dec_cfgs[2]], [pre_cfgs[0], pre_cfgs[2]]
 
     # page size by measurement (Llama shape, rotate=True, first configs)
     ps_t = {}
-    for PS in (16, 32, 64):
+    for PS in ((64,) if RUNS_ONLY else (16, 32, 64)):
         d = decode_rows("llama", 32, 8, 128, 32 // sc, 8192 // sc, PS, copy_bw, dec_cfgs[:1], pool_chunks=64 // sc)
         p = prefill_rows("llama", 32, 8, 128, 8 // sc or 1, 8192 // sc, 128 // sc, PS, pre_cfgs[:1],
                          pool_chunks=64 // sc)
         ps_t[PS] = (d["t"], p["t"])
         log(f"page size {PS}: decode {d['t'] * 1e3:.1f} us, prefill {p['t'] * 1e3:.1f} us")
-    best_ps = min(ps_t, key=lambda k: ps_t[k][0] / ps_t[16][0] + ps_t[k][1] / ps_t[16][1])
+    first = next(iter(ps_t))
+    best_ps = min(ps_t, key=lambda k: ps_t[k][0] / ps_t[first][0] + ps_t[k][1] / ps_t[first][1])
     log(f"chosen page size: {best_ps} (sum of decode+prefill times normalised to PS=16)")
     PS = best_ps
 
