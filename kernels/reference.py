@@ -14,7 +14,7 @@ from torch import Tensor
 from .pages import PageTable
 
 
-def _rope(x: Tensor, pos: Tensor, inv_freq: Tensor) -> Tensor:
+def rope(x: Tensor, pos: Tensor, inv_freq: Tensor) -> Tensor:
     """Rotate fp32 ``x`` [L, H, D] by int positions ``pos`` [L] (HF rotate_half convention)."""
     half = x.shape[-1] // 2
     ang = pos.to(torch.float32)[:, None] * inv_freq[None, :]  # [L, D/2]
@@ -58,7 +58,7 @@ def _attend_one(qb, mpos, k_pages, v_pages, ids, delta, start, length, inv_freq,
                 b += 1
             du = dl[a]
             if du not in qcache:
-                qcache[du] = group_t(_rope(qf, mpos - du, inv_freq).to(qb.dtype).to(torch.float32)).contiguous()
+                qcache[du] = group_t(rope(qf, mpos - du, inv_freq).to(qb.dtype).to(torch.float32)).contiguous()
             qt = qcache[du]
             for h in range(Hkv):
                 torch.mm(K[h, a * PS:b * PS], qt[h], out=scores[h, a * PS:b * PS])

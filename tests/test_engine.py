@@ -190,7 +190,9 @@ def test_pinned_chunks_are_never_evicted(tmp_path, tiny):
     store = make_store(tmp_path, "random:tiny", chunk_tokens=48)
     a, b = (store.doc_chunks(d)[0] for d in ("nile", "iron"))
     s = store.settings
-    pool = PagePool(s.num_layers, s.num_kv_heads, s.head_dim, 4, s.page_size, torch.float32, torch.device("cpu"))
+    one_chunk = a.padded_length // s.page_size  # room for a, not for a and b
+    pool = PagePool(s.num_layers, s.num_kv_heads, s.head_dim, one_chunk, s.page_size, torch.float32,
+                    torch.device("cpu"))
     cache = ChunkCache(store, pool)
     held = cache.acquire(a)
     from lazyrag.paged import OutOfPages

@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.reference import rope
+
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -92,11 +94,9 @@ def rope_frequencies(hf_config) -> tuple[torch.Tensor, float]:
 
 
 def rotate(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-    """Rotate x [T, H, D] to `positions` [T] (rotate-half convention), fp32 arithmetic."""
-    angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]  # [T, D/2]
-    cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]
-    x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+    """Rotate x [T, H, D] to `positions` [T]: the kernels' own RoPE (rotate-half, fp32 maths),
+    so keys rotated here and queries rotated inside the kernels agree exactly."""
+    return rope(x.float(), positions, inv_freq).to(x.dtype)
 
 
 class Attention(Protocol):
