@@ -46,6 +46,8 @@ def write_jsonl(path: Path, rows: list[dict]) -> None:
 
 
 def run_modes(work: Path, store: Path, queries: Path, args) -> dict[str, dict[str, dict]]:
+    """Each mode's answers to exactly these queries (an answers file may hold more: resumable)."""
+    ids = {q["id"] for q in jsonl(queries)}
     answers = {}
     for mode in MODES:
         out = work / f"answers-{queries.stem}-{mode}.jsonl"
@@ -53,7 +55,7 @@ def run_modes(work: Path, store: Path, queries: Path, args) -> dict[str, dict[st
         answer_file(AnswerConfig(queries=queries, store=store, out=out, mode=mode, device=args.device,
                                  max_new_tokens=args.max_new_tokens, cache_gb=args.cache_gb,
                                  batch_size=args.batch_size), report=print, progress=False)
-        answers[mode] = {r["id"]: r for r in jsonl(out) if "answer" in r}
+        answers[mode] = {r["id"]: r for r in jsonl(out) if "answer" in r and r["id"] in ids}
         print(f"{queries.stem} {mode}: {len(answers[mode])} answers in {time.perf_counter() - t:.0f}s", flush=True)
     return answers
 
