@@ -113,7 +113,7 @@ class Engine:
                     self.cache.prefetch(r.chunks)
             admitted = self._admit(waiting, running)
             if not admitted and not running and waiting and waiting[0].arrival > time.perf_counter():
-                time.sleep(waiting[0].arrival - time.perf_counter())  # open-loop: idle until the next arrival
+                time.sleep(max(0.0, waiting[0].arrival - time.perf_counter()))  # open loop: idle till the next
                 continue
             if admitted:
                 self._accept(admitted, self._prefill(admitted))
