@@ -4,7 +4,6 @@ Run on the device machine with `pytest -m gpu`."""
 import json
 
 import pytest
-import torch
 
 import kernels
 from lazyrag.config import IndexConfig

@@ -1,7 +1,6 @@
 """`lazyrag index`: stored K/V against transformers, resume after SIGKILL, refusals."""
 
 import json
-import os
 import signal
 import sqlite3
 import subprocess
