@@ -253,11 +253,19 @@ class Engine:
         """Mean log-probability per token of each continuation after its request's prompt, by
         teacher forcing (more sensitive than accuracy for a small model)."""
         out = []
-        for i in range(0, len(requests), self.batch_size):
-            batch, conts = requests[i:i + self.batch_size], continuations[i:i + self.batch_size]
-            for r, cont in zip(batch, conts):
+        todo = list(zip(requests, continuations))
+        while todo:
+            batch, conts = [], []
+            for r, cont in todo[: self.batch_size]:
                 r.max_new_tokens = len(cont)
+                if not self._fits(r):
+                    break
                 self._place(r)
+                batch.append(r)
+                conts.append(cont)
+            if not batch:
+                raise OutOfPages(f"request {todo[0][0].id} does not fit in the cache even alone")
+            todo = todo[len(batch):]
             ids = [self._prompt_own_ids(r) + cont for r, cont in zip(batch, conts)]
             owns = [self._own_rows(r, len(t)) for r, t in zip(batch, ids)]
             starts = torch.tensor([0] + [len(t) for t in ids]).cumsum(0)

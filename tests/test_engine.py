@@ -201,3 +201,28 @@ def test_pinned_chunks_are_never_evicted(tmp_path, tiny):
         cache.acquire(b)
     assert a.chunk_id in cache.resident and held.pins == 1
     cache.close()
+
+
+@pytest.mark.slow
+def test_continuation_logprobs_equal_transformers(tmp_path, smollm):
+    """The gold log-likelihood of the quality script: teacher forcing, in full mode equal to
+    transformers over the same ids; lazy gives a different (not equal) number."""
+    from transformers import AutoModelForCausalLM
+
+    from lazyrag.models.loading import smollm2_dir
+
+    store = make_store(tmp_path, "smollm2-135m")
+    fmt = PromptFormat(smollm.tokenizer)
+    cont = fmt.encode("Leipzig")
+    scores = {}
+    for mode in ("full", "lazy"):
+        engine = Engine(smollm, store, mode, cache_bytes=64 << 20, batch_size=4)
+        r = request(store, fmt, "a", ["bach", "nile"], "Where did Bach work?")
+        scores[mode] = engine.continuation_logprobs([r], [cont])[0]
+    hf = AutoModelForCausalLM.from_pretrained(smollm2_dir(), dtype=torch.float32).eval()
+    ids = list(store.settings.preamble_ids) + [t for c in r.chunks for t in c.token_ids] + r.question_ids + cont
+    with torch.no_grad():
+        logits = hf(torch.tensor([ids])).logits[0, -len(cont) - 1:-1]
+    ref = torch.log_softmax(logits, -1).gather(1, torch.tensor(cont)[:, None]).mean().item()
+    assert abs(scores["full"] - ref) < 1e-4
+    assert abs(scores["lazy"] - ref) > 1e-4
