@@ -148,7 +148,7 @@ class ChunkCache:
             if len(self.pending) >= self.max_prefetch:
                 return
             cid = info.chunk_id
-            if cid in self.resident or cid in self.pending or self.host.get(cid) is not None:
+            if cid in self.resident or cid in self.pending or cid in self.host.entries:  # a check, not a use: no LRU touch
                 continue
             self.pending[cid] = self.reader.submit(self._read, info)
 

@@ -25,12 +25,10 @@ import torch
 
 import kernels
 from lazyrag.cache import ChunkCache, Resident
+from lazyrag.config import MODES
 from lazyrag.models import LoadedModel
 from lazyrag.paged import START, OutOfPages, PagedAttention, PagePool, page_rows, slots_for
 from lazyrag.store import ChunkInfo, Store
-
-MODES = ("lazy", "block", "full")
-
 
 @dataclass
 class Request:
