@@ -9,6 +9,7 @@ before the dot product, as the kernels do.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from .pages import PageTable
@@ -35,8 +36,17 @@ def _attend_one(qb, mpos, k_pages, v_pages, ids, delta, start, length, inv_freq,
     j = torch.arange(PS, device=dev, dtype=torch.int64)
     kpos = ((start.long() + delta.long())[:, None] + j[None, :]).reshape(N)
     valid = (j[None, :] < length.long()[:, None]).reshape(N)
-    mask = valid[None, :] & (kpos[None, :] <= mpos.long()[:, None])  # [L, N]
 
+    dl = delta.tolist()
+    if not rotate or len(set(dl)) <= 1:
+        # one delta (a chunk at index time, or keys already at their logical positions):
+        # rotating the query once makes this ordinary attention
+        if rotate and dl:
+            qb = rope(qb.to(torch.float32), mpos - dl[0], inv_freq).to(qb.dtype)
+        return _attend_plain(qb, mpos, k_pages[ids.long()].reshape(N, Hkv, D), v_pages[ids.long()].reshape(N, Hkv, D),
+                             kpos, valid, sm_scale)
+
+    mask = valid[None, :] & (kpos[None, :] <= mpos.long()[:, None])  # [L, N]
     # keys-major layout: scores [Hkv, N, G*L], so each run of keys is a contiguous row block
     K = k_pages[ids.long()].reshape(N, Hkv, D).to(torch.float32).permute(1, 0, 2).contiguous()  # [Hkv, N, D]
     V = v_pages[ids.long()].reshape(N, Hkv, D).to(torch.float32).permute(1, 0, 2)  # [Hkv, N, D]
@@ -45,26 +55,22 @@ def _attend_one(qb, mpos, k_pages, v_pages, ids, delta, start, length, inv_freq,
     def group_t(x):  # [L, H, D] -> [Hkv, D, G*L]
         return x.reshape(L, Hkv, G, D).permute(1, 3, 2, 0).reshape(Hkv, D, G * L)
 
-    if rotate:
-        scores = torch.empty(Hkv, N, G * L, device=dev, dtype=torch.float32)
-        # runs of consecutive pages with one delta: one rotation per distinct delta, one matmul
-        # per (run, kv head), written in place
-        dl = delta.tolist()
-        qcache = {}
-        a = 0
-        while a < n:
-            b = a + 1
-            while b < n and dl[b] == dl[a]:
-                b += 1
-            du = dl[a]
-            if du not in qcache:
-                qcache[du] = group_t(rope(qf, mpos - du, inv_freq).to(qb.dtype).to(torch.float32)).contiguous()
-            qt = qcache[du]
-            for h in range(Hkv):
-                torch.mm(K[h, a * PS:b * PS], qt[h], out=scores[h, a * PS:b * PS])
-            a = b
-    else:
-        scores = torch.bmm(K, group_t(qf))
+    scores = torch.empty(Hkv, N, G * L, device=dev, dtype=torch.float32)
+    # runs of consecutive pages with one delta: one rotation per distinct delta, one matmul
+    # per (run, kv head), written in place
+    qcache = {}
+    a = 0
+    while a < n:
+        b = a + 1
+        while b < n and dl[b] == dl[a]:
+            b += 1
+        du = dl[a]
+        if du not in qcache:
+            qcache[du] = group_t(rope(qf, mpos - du, inv_freq).to(qb.dtype).to(torch.float32)).contiguous()
+        qt = qcache[du]
+        for h in range(Hkv):
+            torch.mm(K[h, a * PS:b * PS], qt[h], out=scores[h, a * PS:b * PS])
+        a = b
     scores = scores.view(Hkv, N, G, L)
     scores.mul_(sm_scale)
     scores.masked_fill_(~mask.t()[None, :, None, :], float("-inf"))
@@ -76,6 +82,26 @@ def _attend_one(qb, mpos, k_pages, v_pages, ids, delta, start, length, inv_freq,
     l = l[..., None]
     o = torch.where(l > 0, o / l.clamp_min(1e-30), torch.zeros_like(o))
     return o.permute(2, 0, 1, 3).reshape(L, H, D)
+
+
+def _attend_plain(qb, mpos, k, v, kpos, valid, sm_scale):
+    """Ordinary attention for keys already at their logical positions (rotate=False).
+
+    Padding rows are dropped first; when the keys are exactly the queries' positions (a
+    whole prompt) the mask is causal and SDPA can skip the upper triangle: this is what
+    makes `full` mode tolerable on the CPU.
+    """
+    L, H, D = qb.shape
+    keep = valid.nonzero().squeeze(1)
+    kpos, k, v = kpos[keep], k[keep], v[keep]
+    qh, kh, vh = (x.to(torch.float32).transpose(0, 1)[None] for x in (qb, k, v))
+    if kpos.shape[0] == L and torch.equal(kpos, mpos.long()):
+        o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=sm_scale, enable_gqa=True)
+        return o[0].transpose(0, 1)
+    mask = kpos[None, :] <= mpos.long()[:, None]  # [L, N]
+    o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=sm_scale, enable_gqa=True)
+    # a query with no visible key attends to nothing: zero, like the kernels (SDPA gives NaN)
+    return torch.where(mask.any(1)[:, None, None], o[0].transpose(0, 1), 0.0)
 
 
 def _check(q, k_pages, v_pages, inv_freq):
