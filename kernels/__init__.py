@@ -49,10 +49,10 @@ API
     ``src``, ``dst``, ``delta``: int32 [N]. Returns ``(dst_k, dst_v)``.
 
 Tuning (keyword-only, Triton path; the reference ignores them): ``lazy_prefill`` takes
-``max_seqlen_q`` (skips a host sync), ``block_m``, ``block_n``, ``num_warps``, ``num_stages``,
-``runs`` and ``out``; ``lazy_decode`` takes ``num_splits``, ``block_n``, ``num_warps``,
-``num_stages``, ``runs`` and ``out``. ``runs=True`` selects the run-by-run key loop (query
-rotated once per run of same-delta pages outside the inner loop); see docs/benchmarks.md.
+``max_seqlen_q`` (skips a host sync), ``block_m``, ``block_n``, ``num_warps``, ``num_stages``
+and ``out``; ``lazy_decode`` takes ``num_splits``, ``block_n``, ``num_warps``, ``num_stages``
+and ``out``. Both walk a request's pages run by run (a run: consecutive pages with one delta),
+rotating the query once per run outside the inner key loop; see docs/benchmarks.md.
 Measured on the H200: page size 64 is fastest (docs/benchmarks.md, "## Kernels").
 
 Dispatch: CUDA tensors run the Triton kernels; CPU tensors run ``kernels.reference`` (plain

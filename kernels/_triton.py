@@ -31,97 +31,36 @@ def _rot_join(x1, x2, pos, invf, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _attn_blocks(qptr, qmask, qpos, invf, acc, m_i, l_i,
-                 K, V, ids_row, delta_row, start_row, len_row, n_pages, kvh,
-                 blk_lo, blk_hi,
-                 stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
-                 qk_scale,
-                 DTYPE: tl.constexpr, PS: tl.constexpr, HALF: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROTATE: tl.constexpr,
-                 PREC: tl.constexpr, IDX64: tl.constexpr):
-    """Online softmax over key blocks [blk_lo, blk_hi) of one request (BLOCK_N keys each).
+def _page_rows(ids_row, start_row, delta_row, len_row, e, emask, row_tok, kvh,
+               stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, IDX64: tl.constexpr):
+    """Per key row of a block: K and V row offsets in the pools, logical position, validity."""
+    pid = tl.load(ids_row + e, mask=emask, other=0)
+    st = tl.load(start_row + e, mask=emask, other=0)
+    dl = tl.load(delta_row + e, mask=emask, other=0)
+    ln = tl.load(len_row + e, mask=emask, other=0)
+    if IDX64:
+        pid = pid.to(tl.int64)
+    krow = pid * stride_kp + row_tok * stride_kt + kvh * stride_kh
+    vrow = pid * stride_vp + row_tok * stride_vt + kvh * stride_vh
+    return krow, vrow, st + dl + row_tok, emask & (row_tok < ln)
 
-    qptr: [BLOCK_M] pointers to the query rows (un-rotated if ROTATE, else already rotated).
-    qpos: [BLOCK_M] int32 logical query positions. acc: [BLOCK_M, 2*HALF] fp32.
-    The rotated query is kept for the current run of same-delta pages and recomputed only
-    when the delta changes. A key block that straddles pages of different deltas (rare:
-    partial pages, chunk boundaries inside a block) is handled exactly by rotating the
-    loaded keys of the other pages, in registers, by (their delta - current delta):
-    <R(m - d0) q, R(d_i - d0) k> == <R(m - d_i) q, k>.
-    """
-    PPB: tl.constexpr = BLOCK_N // PS
-    qmin = tl.min(tl.where(qmask, qpos, 2147483647), axis=0)
-    offs_n = tl.arange(0, BLOCK_N)
-    row_page = offs_n // PS
-    row_tok = offs_n % PS
-    offs_h = tl.arange(0, HALF)
-    offs_d = tl.arange(0, 2 * HALF)
-    if ROTATE:
-        # un-rotated query halves stay in registers (input dtype, exact); re-rotated on a delta change
-        qh1 = tl.load(qptr[:, None] + offs_h[None, :], mask=qmask[:, None], other=0.0)
-        qh2 = tl.load(qptr[:, None] + HALF + offs_h[None, :], mask=qmask[:, None], other=0.0)
-        cur_d = tl.load(delta_row + blk_lo * PPB, mask=blk_lo * PPB < n_pages, other=0)
-        q = _rot_join(qh1, qh2, qpos - cur_d, invf, DTYPE)
-    else:
-        q = tl.load(qptr[:, None] + offs_d[None, :], mask=qmask[:, None], other=0.0).to(DTYPE)
-    for blk in range(blk_lo, blk_hi):
-        e = blk * PPB + row_page
-        emask = e < n_pages
-        pid = tl.load(ids_row + e, mask=emask, other=0)
-        st = tl.load(start_row + e, mask=emask, other=0)
-        dl = tl.load(delta_row + e, mask=emask, other=0)
-        ln = tl.load(len_row + e, mask=emask, other=0)
-        kvalid = emask & (row_tok < ln)
-        kpos = st + dl + row_tok
-        if IDX64:
-            kbase = pid.to(tl.int64) * stride_kp
-            vbase = pid.to(tl.int64) * stride_vp
-        else:
-            kbase = pid * stride_kp
-            vbase = pid * stride_vp
-        krow = kbase + row_tok * stride_kt + kvh * stride_kh
-        # unmasked: every row address is inside the pool (entries past count read page 0); scores of
-        # invalid rows are replaced by -inf below, so junk in padding rows is harmless
-        k = tl.load(K + krow[:, None] + offs_d[None, :])
-        if ROTATE:
-            dmin = tl.min(tl.where(emask, dl, 2147483647), axis=0)
-            dmax = tl.max(tl.where(emask, dl, -2147483647), axis=0)
-            if (dmin == dmax) & (dmin != cur_d):
-                # a new run of same-delta pages: rotate the query once for the whole run
-                q = _rot_join(qh1, qh2, qpos - dmin, invf, DTYPE)
-                cur_d = dmin
-        s = tl.dot(q, tl.trans(k), input_precision=PREC)
-        if ROTATE and PPB > 1:
-            if dmin != dmax:
-                # rare (block straddles pages of different deltas): redo the scores exactly, either
-                # rotating this block's keys in registers by (their delta - current delta), or,
-                # for a few query rows, the query once per page
-                if BLOCK_M < BLOCK_N:
-                    # few query rows (decode): rotate the query once per page of the block instead
-                    for i in tl.static_range(PPB):
-                        di = tl.max(tl.where(row_page == i, dl, -2147483647), axis=0)
-                        qi = _rot_join(qh1, qh2, qpos - di, invf, DTYPE)
-                        si = tl.dot(qi, tl.trans(k), input_precision=PREC)
-                        s = tl.where(row_page[None, :] == i, si, s)
-                else:
-                    k1, k2 = tl.split(tl.permute(tl.reshape(k, (BLOCK_N, 2, HALF)), (0, 2, 1)))
-                    kr = _rot_join(k1, k2, dl - cur_d, invf, DTYPE)
-                    s = tl.dot(q, tl.trans(kr), input_precision=PREC)
-        s = s * qk_scale
-        # mask only blocks that need it (padding rows, or keys after the earliest query)
-        kmax = tl.max(tl.where(kvalid, kpos, 2147483647), axis=0)
-        if kmax > qmin:
-            s = tl.where(kvalid[None, :] & (kpos[None, :] <= qpos[:, None]), s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        vrow = vbase + row_tok * stride_vt + kvh * stride_vh
-        v = tl.load(V + vrow[:, None] + offs_d[None, :], mask=kvalid[:, None], other=0.0)
-        acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(DTYPE), v, acc, input_precision=PREC)
-        m_i = m_new
-    return acc, m_i, l_i
+
+@triton.jit
+def _softmax_step(s, kvalid, kpos, qpos, qmin, V, vrow, offs_d, acc, m_i, l_i,
+                  DTYPE: tl.constexpr, PREC: tl.constexpr):
+    """One key block of online softmax: scores s [M, N] (log2 units) -> updated acc, m_i, l_i."""
+    # mask only blocks that need it (padding rows, or keys after the earliest query)
+    kmax = tl.max(tl.where(kvalid, kpos, 2147483647), axis=0)
+    if kmax > qmin:
+        s = tl.where(kvalid[None, :] & (kpos[None, :] <= qpos[:, None]), s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    v = tl.load(V + vrow[:, None] + offs_d[None, :], mask=kvalid[:, None], other=0.0)
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(DTYPE), v, acc, input_precision=PREC)
+    return acc, m_new, l_i
 
 
 @triton.jit
@@ -133,12 +72,15 @@ def _attn_runs(qptr, qmask, qpos, invf, acc, m_i, l_i,
                DTYPE: tl.constexpr, PS: tl.constexpr, HALF: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROTATE: tl.constexpr,
                PREC: tl.constexpr, IDX64: tl.constexpr, SCAN: tl.constexpr):
-    """Same maths as _attn_blocks over page entries [p_lo, p_hi), walked run by run.
+    """Online softmax over page entries [p_lo, p_hi) of one request, run by run.
 
     A run is a stretch of consecutive page entries with one delta (at most SCAN entries).
-    The query is rotated once per run, outside the inner loop, so the inner loop over key
-    blocks is exactly the rotate=False loop (the query is loop-invariant there) and no key
-    block ever mixes deltas; blocks are aligned to the run's first page.
+    The query is rotated once per run, outside the inner loop, which is then exactly the
+    rotate=False loop (the query is loop-invariant there); blocks are aligned to the run's
+    first page, so no key block ever mixes deltas. Measured against two alternatives on the
+    H200 (docs/benchmarks.md): a flat loop re-rotating on a delta change (its per-block scalar
+    delta load and branch stall the pipeline: prefill 25% slower) and, in decode, rotating
+    for every page unconditionally (20-25% slower).
     """
     PPB: tl.constexpr = BLOCK_N // PS
     qmin = tl.min(tl.where(qmask, qpos, 2147483647), axis=0)
@@ -166,33 +108,14 @@ def _attn_runs(qptr, qmask, qpos, invf, acc, m_i, l_i,
         r_end = p + run
         for i in range(0, tl.cdiv(run, PPB)):
             e = p + i * PPB + row_page
-            emask = e < r_end
-            pid = tl.load(ids_row + e, mask=emask, other=0)
-            st = tl.load(start_row + e, mask=emask, other=0)
-            dl = tl.load(delta_row + e, mask=emask, other=0)
-            ln = tl.load(len_row + e, mask=emask, other=0)
-            kvalid = emask & (row_tok < ln)
-            kpos = st + dl + row_tok
-            if IDX64:
-                kbase = pid.to(tl.int64) * stride_kp
-                vbase = pid.to(tl.int64) * stride_vp
-            else:
-                kbase = pid * stride_kp
-                vbase = pid * stride_vp
-            k = tl.load(K + (kbase + row_tok * stride_kt + kvh * stride_kh)[:, None] + offs_d[None, :])
+            krow, vrow, kpos, kvalid = _page_rows(ids_row, start_row, delta_row, len_row, e, e < r_end, row_tok,
+                                                  kvh, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt,
+                                                  stride_vh, IDX64)
+            # unmasked: every row address is inside the pool (rows past the run read page 0);
+            # their scores are replaced by -inf, so junk there is harmless
+            k = tl.load(K + krow[:, None] + offs_d[None, :])
             s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
-            kmax = tl.max(tl.where(kvalid, kpos, 2147483647), axis=0)
-            if kmax > qmin:
-                s = tl.where(kvalid[None, :] & (kpos[None, :] <= qpos[:, None]), s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            alpha = tl.exp2(m_i - m_new)
-            pr = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(pr, axis=1)
-            v = tl.load(V + (vbase + row_tok * stride_vt + kvh * stride_vh)[:, None] + offs_d[None, :],
-                        mask=kvalid[:, None], other=0.0)
-            acc = acc * alpha[:, None]
-            acc = tl.dot(pr.to(DTYPE), v, acc, input_precision=PREC)
-            m_i = m_new
+            acc, m_i, l_i = _softmax_step(s, kvalid, kpos, qpos, qmin, V, vrow, offs_d, acc, m_i, l_i, DTYPE, PREC)
         p = r_end
     return acc, m_i, l_i
 
@@ -204,7 +127,7 @@ def _prefill_kernel(Q, K, V, O, IDS, DELTA, START, LEN, COUNT, CU, QPOS, INVF,
                     qk_scale,
                     GROUP: tl.constexpr, DTYPE: tl.constexpr, PS: tl.constexpr, HALF: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROTATE: tl.constexpr,
-                    PREC: tl.constexpr, IDX64: tl.constexpr, RUNS: tl.constexpr):
+                    PREC: tl.constexpr, IDX64: tl.constexpr):
     h = tl.program_id(0)
     b = tl.program_id(1)
     tile = tl.program_id(2)
@@ -226,18 +149,11 @@ def _prefill_kernel(Q, K, V, O, IDS, DELTA, START, LEN, COUNT, CU, QPOS, INVF,
         m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         tb = b.to(tl.int64) * stride_tb
-        if RUNS:
-            acc, m_i, l_i = _attn_runs(qptr, mmask, qpos, invf, acc, m_i, l_i,
-                                       K, V, IDS + tb, DELTA + tb, START + tb, LEN + tb, n_pages, kvh,
-                                       0, n_pages,
-                                       stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
-                                       qk_scale, DTYPE, PS, HALF, BLOCK_M, BLOCK_N, ROTATE, PREC, IDX64, 64)
-        else:
-            acc, m_i, l_i = _attn_blocks(qptr, mmask, qpos, invf, acc, m_i, l_i,
-                                         K, V, IDS + tb, DELTA + tb, START + tb, LEN + tb, n_pages, kvh,
-                                         0, n_blk,
-                                         stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
-                                         qk_scale, DTYPE, PS, HALF, BLOCK_M, BLOCK_N, ROTATE, PREC, IDX64)
+        acc, m_i, l_i = _attn_runs(qptr, mmask, qpos, invf, acc, m_i, l_i,
+                                   K, V, IDS + tb, DELTA + tb, START + tb, LEN + tb, n_pages, kvh,
+                                   0, n_pages,
+                                   stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
+                                   qk_scale, DTYPE, PS, HALF, BLOCK_M, BLOCK_N, ROTATE, PREC, IDX64, 64)
         l_safe = tl.where(l_i > 0, l_i, 1.0)
         o = tl.where(l_i[:, None] > 0, acc / l_safe[:, None], 0.0)
         orow = offs_m.to(tl.int64) * stride_ot + h * stride_oh
@@ -247,12 +163,11 @@ def _prefill_kernel(Q, K, V, O, IDS, DELTA, START, LEN, COUNT, CU, QPOS, INVF,
 @triton.jit
 def _decode_split_kernel(Q, K, V, OP, LSE, IDS, DELTA, START, LEN, COUNT, QPOS, INVF,
                          stride_qb, stride_qh, stride_kp, stride_kt, stride_kh,
-                         stride_vp, stride_vt, stride_vh, stride_tb, num_heads, blk_per_split,
+                         stride_vp, stride_vt, stride_vh, stride_tb, num_heads, blk_per_split, num_splits,
                          qk_scale,
                          GROUP: tl.constexpr, DTYPE: tl.constexpr, PS: tl.constexpr, HALF: tl.constexpr,
-                         BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
-                         ROTATE: tl.constexpr, PREC: tl.constexpr, IDX64: tl.constexpr,
-                         RUNS: tl.constexpr):
+                         BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+                         ROTATE: tl.constexpr, PREC: tl.constexpr, IDX64: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
@@ -273,37 +188,30 @@ def _decode_split_kernel(Q, K, V, OP, LSE, IDS, DELTA, START, LEN, COUNT, QPOS, 
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     tb = b.to(tl.int64) * stride_tb
     if lo < hi:
-        if RUNS:
-            PPB: tl.constexpr = BLOCK_N // PS
-            acc, m_i, l_i = _attn_runs(qptr, gmask, qpos, invf, acc, m_i, l_i,
-                                       K, V, IDS + tb, DELTA + tb, START + tb, LEN + tb, n_pages, kvh,
-                                       lo * PPB, hi * PPB,
-                                       stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
-                                       qk_scale, DTYPE, PS, HALF, BLOCK_H, BLOCK_N, ROTATE, PREC, IDX64, 64)
-        else:
-            acc, m_i, l_i = _attn_blocks(qptr, gmask, qpos, invf, acc, m_i, l_i,
-                                         K, V, IDS + tb, DELTA + tb, START + tb, LEN + tb, n_pages, kvh,
-                                         lo, hi,
-                                         stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
-                                         qk_scale, DTYPE, PS, HALF, BLOCK_H, BLOCK_N, ROTATE, PREC, IDX64)
-    # partial results: OP [B, H, SPLITS, D] (normalised), LSE [B, H, SPLITS] (log2 domain)
+        PPB: tl.constexpr = BLOCK_N // PS
+        acc, m_i, l_i = _attn_runs(qptr, gmask, qpos, invf, acc, m_i, l_i,
+                                   K, V, IDS + tb, DELTA + tb, START + tb, LEN + tb, n_pages, kvh,
+                                   lo * PPB, hi * PPB,
+                                   stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
+                                   qk_scale, DTYPE, PS, HALF, BLOCK_H, BLOCK_N, ROTATE, PREC, IDX64, 64)
+    # partial results: OP [B, H, num_splits, D] (normalised), LSE [B, H, num_splits] (log2 domain)
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     o = acc / l_safe[:, None]
     lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
-    prow = (b.to(tl.int64) * num_heads + heads) * SPLITS + sp
+    prow = (b.to(tl.int64) * num_heads + heads) * num_splits + sp
     tl.store(OP + prow[:, None] * (2 * HALF) + offs_d[None, :], o, mask=gmask[:, None])
     tl.store(LSE + prow, lse, mask=gmask)
 
 
 @triton.jit
-def _decode_merge_kernel(OP, LSE, O, stride_ob, stride_oh, num_heads,
-                         D: tl.constexpr, SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr):
+def _decode_merge_kernel(OP, LSE, O, stride_ob, stride_oh, num_heads, num_splits,
+                         D: tl.constexpr, SPLITS_P2: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     offs_s = tl.arange(0, SPLITS_P2)
-    smask = offs_s < SPLITS
+    smask = offs_s < num_splits
     offs_d = tl.arange(0, D)
-    base = (b.to(tl.int64) * num_heads + h) * SPLITS
+    base = (b.to(tl.int64) * num_heads + h) * num_splits
     lse = tl.load(LSE + base + offs_s, mask=smask, other=float("-inf"))
     mx = tl.max(lse, axis=0)
     mx_safe = tl.where(mx > float("-inf"), mx, 0.0)
@@ -368,7 +276,7 @@ def _block_n(ps: int, head_dim: int) -> int:
 
 def lazy_prefill(q, k_pages, v_pages, pages: PageTable, cu_seqlens_q, q_pos, inv_freq, sm_scale, rotate=True,
                  max_seqlen_q: int | None = None, block_m: int | None = None, block_n: int | None = None,
-                 num_warps: int | None = None, num_stages: int | None = None, runs: bool = True, out=None):
+                 num_warps: int | None = None, num_stages: int | None = None, out=None):
     total, H, D = q.shape
     _, PS, Hkv, _ = k_pages.shape
     B = pages.ids.shape[0]
@@ -395,13 +303,13 @@ def lazy_prefill(q, k_pages, v_pages, pages: PageTable, cu_seqlens_q, q_pos, inv
         float(sm_scale) * _LOG2E,
         GROUP=H // Hkv, DTYPE=_TL_DTYPE[q.dtype], PS=PS, HALF=D // 2,
         BLOCK_M=block_m, BLOCK_N=block_n, ROTATE=bool(rotate), PREC=_prec(q.dtype), IDX64=_idx64(k_pages, v_pages),
-        RUNS=bool(runs), num_warps=num_warps, num_stages=num_stages)
+        num_warps=num_warps, num_stages=num_stages)
     return o
 
 
 def lazy_decode(q, k_pages, v_pages, pages: PageTable, q_pos, inv_freq, sm_scale, rotate=True,
                 num_splits: int | None = None, block_n: int | None = None, num_warps: int | None = None,
-                num_stages: int | None = None, runs: bool = True, out=None):
+                num_stages: int | None = None, out=None):
     B, H, D = q.shape
     _, PS, Hkv, _ = k_pages.shape
     G = H // Hkv
@@ -422,12 +330,14 @@ def lazy_decode(q, k_pages, v_pages, pages: PageTable, q_pos, inv_freq, sm_scale
     _decode_split_kernel[(B, Hkv, num_splits)](
         q, k_pages, v_pages, op, lse, pages.ids, pages.delta, pages.start, pages.length, pages.count, q_pos, inv_freq,
         q.stride(0), q.stride(1), k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
-        v_pages.stride(0), v_pages.stride(1), v_pages.stride(2), pages.ids.stride(0), H, blk_per_split,
+        v_pages.stride(0), v_pages.stride(1), v_pages.stride(2), pages.ids.stride(0), H, blk_per_split, num_splits,
         float(sm_scale) * _LOG2E,
         GROUP=G, DTYPE=_TL_DTYPE[q.dtype], PS=PS, HALF=D // 2, BLOCK_H=block_h, BLOCK_N=block_n,
-        SPLITS=num_splits, ROTATE=bool(rotate), PREC=_prec(q.dtype), IDX64=_idx64(k_pages, v_pages),
-        RUNS=bool(runs), num_warps=num_warps or (8 if D == 64 else 4), num_stages=num_stages or 2)
-    _decode_merge_kernel[(B, H)](op, lse, o, o.stride(0), o.stride(1), H, D=D, SPLITS=num_splits,
+        ROTATE=bool(rotate), PREC=_prec(q.dtype), IDX64=_idx64(k_pages, v_pages),
+        num_warps=num_warps or (8 if D == 64 else 4), num_stages=num_stages or 2)
+    # the split count is a runtime argument (it follows the batch size; a constexpr would
+    # compile a kernel per batch size); the merge rounds it up to a power of two
+    _decode_merge_kernel[(B, H)](op, lse, o, o.stride(0), o.stride(1), H, num_splits, D=D,
                                  SPLITS_P2=triton.next_power_of_2(num_splits), num_warps=4)
     return o
 

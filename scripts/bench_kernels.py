@@ -10,7 +10,7 @@ Rows (Llama-3.1-8B attention 32/8/128 and SmolLM2 9/3/64, bf16):
   deferral: rotate=True vs rotate=False on the same data
 Also sweeps page size (16/32/64) and a few launch configurations, and reports the best.
 Prints a table last; writes it as markdown to $OUT/bench_kernels.md when $OUT is set.
-Usage: python scripts/bench_kernels.py [--quick]
+Usage: python scripts/bench_kernels.py [--quick] [--ps64] [--pool-size]
 """
 from __future__ import annotations
 
@@ -37,7 +37,8 @@ from kernels import PageTable  # noqa: E402
 DEV = "cpu" if SMOKE else "cuda"
 DT = torch.float16 if SMOKE else torch.bfloat16
 QUICK = "--quick" in sys.argv
-RUNS_ONLY = "--runs" in sys.argv  # compare runs=False/True only, page size 64
+PS64 = "--ps64" in sys.argv  # page size 64 only (skip the page-size sweep)
+POOL_SIZE = "--pool-size" in sys.argv  # only: a small pool vs one past 2**31 elements per layer (64-bit offsets)
 ROWS: list[dict] = []
 LOG: list[str] = []
 
@@ -299,21 +300,25 @@ def main():
     bw_lim = f"{copy_bw:.2f} TB/s copy"
     mm_lim = f"{mm:.0f} TFLOP/s mm"
 
-    # runs=True (the default): the run-by-run loop, query rotated outside the inner key loop
-    dec_cfgs = [dict(block_n=64, num_warps=4, runs=False), dict(block_n=64, num_warps=8, runs=False),
-                dict(block_n=64, num_warps=4, runs=True), dict(block_n=64, num_warps=8, runs=True)]
-    pre_cfgs = [dict(block_m=64, block_n=64, num_warps=4, num_stages=2, runs=False),
-                dict(block_m=128, block_n=64, num_warps=8, num_stages=2, runs=False),
-                dict(block_m=64, block_n=64, num_warps=4, num_stages=2, runs=True),
-                dict(block_m=128, block_n=64, num_warps=8, num_stages=2, runs=True)]
+    dec_cfgs = [dict(block_n=64, num_warps=w) for w in (4, 8)]
+    pre_cfgs = [dict(block_m=bm, block_n=64, num_warps=w, num_stages=2) for bm, w in ((64, 4), (128, 8))]
     if QUICK:
         dec_cfgs, pre_cfgs = dec_cfgs[:1], pre_cfgs[:1]
-    if RUNS_ONLY:  # the two key loops side by side, at the measured page size
-        dec_cfgs, pre_cfgs = [dec_cfgs[0], dec_cfgs[2]], [pre_cfgs[0], pre_cfgs[2]]
+
+    if POOL_SIZE:
+        for pool in (64, 4200):
+            d = decode_rows("Llama-8B", 32, 8, 128, 32, 8192, 64, copy_bw, dec_cfgs[:1], pool)
+            row(f"decode Llama-8B 32x8192, pool {pool} chunks", d["t"], d["bytes"], "TB/s", d["t_sdpa"], bw_lim,
+                f"rotate=False {d['t_norot'] * 1e3:.1f} us")
+            p = prefill_rows("Llama-8B", 32, 8, 128, 8, 8192, 128, 64, pre_cfgs[:1], pool)
+            row(f"prefill Llama-8B 8x128/8192, pool {pool} chunks", p["t"], p["flops"], "TFLOP/s", p["t_sdpa"],
+                mm_lim, f"rotate=False {p['t_norot'] * 1e3:.1f} us")
+            torch.cuda.empty_cache()
+        return
 
     # page size by measurement (Llama shape, rotate=True, first configs)
     ps_t = {}
-    for PS in ((64,) if RUNS_ONLY else (16, 32, 64)):
+    for PS in ((64,) if PS64 else (16, 32, 64)):
         d = decode_rows("llama", 32, 8, 128, 32 // sc, 8192 // sc, PS, copy_bw, dec_cfgs[:1], pool_chunks=64 // sc)
         p = prefill_rows("llama", 32, 8, 128, 8 // sc or 1, 8192 // sc, 128 // sc, PS, pre_cfgs[:1],
                          pool_chunks=64 // sc)

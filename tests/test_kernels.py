@@ -303,14 +303,13 @@ KERNEL_CASES = [
 
 @pytest.mark.parametrize("name,kw", KERNEL_CASES, ids=[k[0] for k in KERNEL_CASES])
 @pytest.mark.parametrize("rotate", [True, False])
-@pytest.mark.parametrize("runs", [False, True])
-def test_prefill_interp(interp, name, kw, rotate, runs):
+def test_prefill_interp(interp, name, kw, rotate):
     c = make_case(**kw)
     want = reference.lazy_prefill(c.q, c.k_pages, c.v_pages, c.pages, c.cu, c.q_pos, c.inv_freq, c.sm_scale,
                                   rotate=rotate)
     out = torch.full_like(c.q, float("nan"))
     got = kernels.lazy_prefill(c.q, c.k_pages, c.v_pages, c.pages, c.cu, c.q_pos, c.inv_freq, c.sm_scale,
-                               rotate=rotate, out=out, runs=runs)
+                               rotate=rotate, out=out)
     assert got is out
     assert not torch.isnan(got).any(), "unwritten output elements"
     assert rel_err(got, want) < tol(c.q.dtype), rel_err(got, want)
@@ -322,17 +321,15 @@ def test_prefill_interp_wide_tile(interp, name, kw):
     """BLOCK_M >= BLOCK_N: blocks straddling deltas take the key-rotation path."""
     c = make_case(**kw)
     want = reference.lazy_prefill(c.q, c.k_pages, c.v_pages, c.pages, c.cu, c.q_pos, c.inv_freq, c.sm_scale)
-    for runs in (False, True):
-        got = kernels.lazy_prefill(c.q, c.k_pages, c.v_pages, c.pages, c.cu, c.q_pos, c.inv_freq, c.sm_scale,
-                                   out=torch.full_like(c.q, float("nan")), block_m=64, block_n=64, runs=runs)
-        assert not torch.isnan(got).any(), "unwritten output elements"
-        assert rel_err(got, want) < tol(c.q.dtype), rel_err(got, want)
+    got = kernels.lazy_prefill(c.q, c.k_pages, c.v_pages, c.pages, c.cu, c.q_pos, c.inv_freq, c.sm_scale,
+                               out=torch.full_like(c.q, float("nan")), block_m=64, block_n=64)
+    assert not torch.isnan(got).any(), "unwritten output elements"
+    assert rel_err(got, want) < tol(c.q.dtype), rel_err(got, want)
 
 
 @pytest.mark.parametrize("name,kw", KERNEL_CASES[:6], ids=[k[0] for k in KERNEL_CASES[:6]])
 @pytest.mark.parametrize("splits", [None, 3])
-@pytest.mark.parametrize("runs", [False, True])
-def test_decode_interp(interp, name, kw, splits, runs):
+def test_decode_interp(interp, name, kw, splits):
     kw = dict(kw)
     n = len(kw.get("plan") or [0, 1, 2])
     kw["q_lens"] = [1] * n
@@ -343,7 +340,7 @@ def test_decode_interp(interp, name, kw, splits, runs):
                                      rotate=rotate)
         out = torch.full_like(c.q, float("nan"))
         got = kernels.lazy_decode(c.q, c.k_pages, c.v_pages, c.pages, c.q_pos, c.inv_freq, c.sm_scale,
-                                  rotate=rotate, out=out, num_splits=splits, runs=runs)
+                                  rotate=rotate, out=out, num_splits=splits)
         assert not torch.isnan(got).any(), "unwritten output elements"
         assert rel_err(got, want) < tol(c.q.dtype), rel_err(got, want)
 
