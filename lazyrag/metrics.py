@@ -40,6 +40,17 @@ def score(prediction: str, golds: list[str]) -> dict:
     }
 
 
+def agreement(answers: dict[str, str], reference: dict[str, str]) -> dict:
+    """How close one mode's answers are to a reference mode's (usually `full`) on the ids both
+    have: the share of identical answers after normalisation, and the mean token F1 between them."""
+    ids = [i for i in reference if i in answers]
+    if not ids:
+        return {"identical": None, "f1_to_full": None, "n": 0}
+    same = sum(normalize(answers[i]) == normalize(reference[i]) for i in ids)
+    f1 = sum(token_f1(answers[i], reference[i]) for i in ids)
+    return {"identical": round(same / len(ids), 4), "f1_to_full": round(f1 / len(ids), 4), "n": len(ids)}
+
+
 def summarize(values: list[float]) -> dict:
     """mean, p50, p95 (None when there are no values)."""
     if not values:

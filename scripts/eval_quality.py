@@ -61,11 +61,8 @@ def run_modes(work: Path, store: Path, queries: Path, args) -> dict[str, dict[st
 
 
 def fidelity(answers: dict, mode: str) -> dict:
-    ref = answers["full"]
-    ids = [i for i in ref if i in answers[mode]]
-    same = sum(metrics.normalize(answers[mode][i]["answer"]) == metrics.normalize(ref[i]["answer"]) for i in ids)
-    f1 = sum(metrics.token_f1(answers[mode][i]["answer"], ref[i]["answer"]) for i in ids)
-    return {"identical": round(same / len(ids), 4), "f1_to_full": round(f1 / len(ids), 4), "n": len(ids)}
+    text = {m: {i: r["answer"] for i, r in rows.items()} for m, rows in answers.items()}
+    return metrics.agreement(text[mode], text["full"])
 
 
 def gold_loglik(store_path: Path, queries: Path, args) -> dict[str, float]:
