@@ -276,7 +276,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=200)
     ap.add_argument("--full-requests", type=int, default=64, help="full mode recomputes 10k-token prompts")
     ap.add_argument("--poisson-requests", type=int, default=100)
-    ap.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")], default=[0.3, 0.6, 0.9],
+    ap.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",") if x], default=[0.3, 0.6, 0.9],
                     help="arrival rates as fractions of lazy's closed-batch throughput")
     ap.add_argument("--skip-full", action="store_true")
     ap.add_argument("--rounds", type=int, default=2, help="closed Zipf runs: lazy and block alternate this many "
