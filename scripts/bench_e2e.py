@@ -160,25 +160,25 @@ def bench_model(model: str, args, root: Path, save) -> dict:
     # Runs in one process get faster as they go (docs/benchmarks.md: lazy timed six times on the
     # same requests went from 23.6 to 40.3 req/s), so lazy and block alternate for --rounds
     # rounds and the last round is the result; the earlier ones are kept in the JSON.
-    out["closed_earlier_rounds"] = []
-    for rnd in range(args.rounds):
-        for mode in ("lazy", "block"):
-            r = run(kw, loaded, store, mode, zipf, questions, cache, args.batch_size)
-            r["round"] = rnd + 1
-            out["closed" if rnd == args.rounds - 1 else "closed_earlier_rounds"].append(r)
-            save(out)
-            print(f"[{model}] closed zipf2.1 {mode} round {rnd + 1}: {json.dumps(r)}", flush=True)
+    out["earlier_rounds"] = []
+
+    def alternate(workload: str, prompts: list) -> None:
+        for rnd in range(1, args.rounds + 1):
+            for mode in ("lazy", "block"):
+                r = run(kw, loaded, store, mode, prompts, questions, cache, args.batch_size)
+                r["round"] = rnd
+                (out[workload] if rnd == args.rounds else out["earlier_rounds"]).append(dict(r, workload=workload))
+                save(out)
+                print(f"[{model}] {workload} {mode} round {rnd}: {json.dumps(r)}", flush=True)
+
+    alternate("closed", zipf)
     if not args.skip_full:
         m = min(n, args.full_requests)
         r = run(kw, loaded, store, "full", zipf[:m], questions[:m], cache, args.batch_size)
         out["closed"].append(r)
         save(out)
-        print(f"[{model}] closed zipf2.1 full: {json.dumps(r)}", flush=True)
-    for mode in ("lazy", "block"):
-        r = run(kw, loaded, store, mode, uniform, questions, cache, args.batch_size)
-        out["uniform"].append(r)
-        save(out)
-        print(f"[{model}] closed uniform {mode}: {json.dumps(r)}", flush=True)
+        print(f"[{model}] closed full: {json.dumps(r)}", flush=True)
+    alternate("uniform", uniform)
     lazy_rate = out["closed"][0]["req_per_s"]
     for frac in args.rates:
         rate = frac * lazy_rate
@@ -279,8 +279,8 @@ def main() -> None:
     ap.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",") if x], default=[0.3, 0.6, 0.9],
                     help="arrival rates as fractions of lazy's closed-batch throughput")
     ap.add_argument("--skip-full", action="store_true")
-    ap.add_argument("--rounds", type=int, default=2, help="closed Zipf runs: lazy and block alternate this many "
-                                                            "times; the last round is reported")
+    ap.add_argument("--rounds", type=int, default=2, help="closed runs (Zipf, uniform): lazy and block alternate "
+                                                            "this many times; the last round is reported")
     ap.add_argument("--sweep-docs", type=lambda s: [int(x) for x in s.split(",") if x], default=[5, 10, 20, 50, 100],
                     help="cache budgets, in documents' worth of KV")
     ap.add_argument("--cache-gb", type=float, default=60.0)
