@@ -2,7 +2,8 @@
 
 Same signatures and semantics as the Triton kernels (see ``kernels/__init__.py``). They are
 the tests' oracle and the engine's path where Triton cannot run (CPU). Vectorised per
-request: one batched matmul per (request, distinct page delta), no per-key Python loops.
+request: one batched matmul over all pages (the query rotated for each page's delta), or
+one SDPA call when the request has a single delta; no per-key Python loops.
 Scores and softmax are computed in fp32; the rotated query is rounded to the input dtype
 before the dot product, as the kernels do.
 """
@@ -47,31 +48,16 @@ def _attend_one(qb, mpos, k_pages, v_pages, ids, delta, start, length, inv_freq,
                              kpos, valid, sm_scale)
 
     mask = valid[None, :] & (kpos[None, :] <= mpos.long()[:, None])  # [L, N]
-    # keys-major layout: scores [Hkv, N, G*L], so each run of keys is a contiguous row block
-    K = k_pages[ids.long()].reshape(N, Hkv, D).to(torch.float32).permute(1, 0, 2).contiguous()  # [Hkv, N, D]
+    # the query rotated by R(m - delta) once per distinct delta, rounded to the input dtype as
+    # the kernels do, handed to every page of that delta; then all pages' scores in one batched
+    # matmul: [Hkv, N, G, L]
+    deltas, page_delta = torch.unique(delta.long(), return_inverse=True)
+    pos = (mpos.long()[None, :] - deltas[:, None]).reshape(-1)
+    qr = rope(qb.to(torch.float32).repeat(len(deltas), 1, 1), pos, inv_freq).to(qb.dtype).to(torch.float32)
+    qr = qr.view(len(deltas), L, H, D)[page_delta]
+    K = k_pages[ids.long()].to(torch.float32)  # [n, PS, Hkv, D]
     V = v_pages[ids.long()].reshape(N, Hkv, D).to(torch.float32).permute(1, 0, 2)  # [Hkv, N, D]
-    qf = qb.to(torch.float32)
-
-    def group_t(x):  # [L, H, D] -> [Hkv, D, G*L]
-        return x.reshape(L, Hkv, G, D).permute(1, 3, 2, 0).reshape(Hkv, D, G * L)
-
-    scores = torch.empty(Hkv, N, G * L, device=dev, dtype=torch.float32)
-    # runs of consecutive pages with one delta: one rotation per distinct delta, one matmul
-    # per (run, kv head), written in place
-    qcache = {}
-    a = 0
-    while a < n:
-        b = a + 1
-        while b < n and dl[b] == dl[a]:
-            b += 1
-        du = dl[a]
-        if du not in qcache:
-            qcache[du] = group_t(rope(qf, mpos - du, inv_freq).to(qb.dtype).to(torch.float32)).contiguous()
-        qt = qcache[du]
-        for h in range(Hkv):
-            torch.mm(K[h, a * PS:b * PS], qt[h], out=scores[h, a * PS:b * PS])
-        a = b
-    scores = scores.view(Hkv, N, G, L)
+    scores = torch.einsum("nphd,nlhgd->hnpgl", K, qr.view(n, L, Hkv, G, D)).reshape(Hkv, N, G, L)
     scores.mul_(sm_scale)
     scores.masked_fill_(~mask.t()[None, :, None, :], float("-inf"))
     m = scores.amax(dim=1, keepdim=True)
