@@ -144,7 +144,6 @@ def _prefill_kernel(Q, K, V, O, IDS, DELTA, START, LEN, COUNT, CU, QPOS, INVF,
         qpos = tl.load(QPOS + offs_m, mask=mmask, other=0)
         invf = tl.load(INVF + offs_h)
         n_pages = tl.load(COUNT + b)
-        n_blk = tl.cdiv(n_pages * PS, BLOCK_N)
         acc = tl.zeros([BLOCK_M, 2 * HALF], dtype=tl.float32)
         m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)

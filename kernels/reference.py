@@ -38,12 +38,12 @@ def _attend_one(qb, mpos, k_pages, v_pages, ids, delta, start, length, inv_freq,
     kpos = ((start.long() + delta.long())[:, None] + j[None, :]).reshape(N)
     valid = (j[None, :] < length.long()[:, None]).reshape(N)
 
-    dl = delta.tolist()
-    if not rotate or len(set(dl)) <= 1:
+    deltas, page_delta = torch.unique(delta.long(), return_inverse=True)
+    if not rotate or len(deltas) <= 1:
         # one delta (a chunk at index time, or keys already at their logical positions):
         # rotating the query once makes this ordinary attention
-        if rotate and dl:
-            qb = rope(qb.to(torch.float32), mpos - dl[0], inv_freq).to(qb.dtype)
+        if rotate and len(deltas):
+            qb = rope(qb.to(torch.float32), mpos - deltas[0], inv_freq).to(qb.dtype)
         return _attend_plain(qb, mpos, k_pages[ids.long()].reshape(N, Hkv, D), v_pages[ids.long()].reshape(N, Hkv, D),
                              kpos, valid, sm_scale)
 
@@ -51,7 +51,6 @@ def _attend_one(qb, mpos, k_pages, v_pages, ids, delta, start, length, inv_freq,
     # the query rotated by R(m - delta) once per distinct delta, rounded to the input dtype as
     # the kernels do, handed to every page of that delta; then all pages' scores in one batched
     # matmul: [Hkv, N, G, L]
-    deltas, page_delta = torch.unique(delta.long(), return_inverse=True)
     pos = (mpos.long()[None, :] - deltas[:, None]).reshape(-1)
     qr = rope(qb.to(torch.float32).repeat(len(deltas), 1, 1), pos, inv_freq).to(qb.dtype).to(torch.float32)
     qr = qr.view(len(deltas), L, H, D)[page_delta]

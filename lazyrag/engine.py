@@ -27,7 +27,7 @@ import kernels
 from lazyrag.cache import ChunkCache, Resident
 from lazyrag.config import MODES
 from lazyrag.models import LoadedModel
-from lazyrag.paged import START, OutOfPages, PagedAttention, PagePool, page_rows, slots_for
+from lazyrag.paged import OutOfPages, PagedAttention, PagePool, page_rows
 from lazyrag.store import ChunkInfo, Store
 
 @dataclass
@@ -234,13 +234,8 @@ class Engine:
                  ) -> torch.Tensor:
         """One step: new tokens token_lists[b] go to own slots from index first[b]. Returns the
         logits of each list's last token, or of the packed token indices in `select`."""
-        ps = self.page_size
-        positions = torch.cat([torch.arange(int(o[0, START]) + f, int(o[0, START]) + f + len(t))
-                               for t, o, f in zip(token_lists, owns, first)])
-        slots = torch.cat([slots_for(o, f, len(t), ps) for t, o, f in zip(token_lists, owns, first)])
-        attention = PagedAttention(self.pool, [torch.cat((c, o)) for c, o in zip(contexts, owns)],
-                                   [len(t) for t in token_lists],
-                                   positions, slots, self.loaded.model.inv_freq, self.sm_scale, lazy=lazy)
+        positions, attention = PagedAttention.for_step(self.pool, token_lists, contexts, owns, first,
+                                                       self.loaded.model.inv_freq, self.sm_scale, lazy)
         tokens = torch.tensor([i for t in token_lists for i in t], device=self.device)
         hidden = self.loaded.model(tokens, positions.to(self.device), attention)
         if select is None:

@@ -19,7 +19,7 @@ import torch
 from lazyrag.config import IndexConfig
 from lazyrag.corpus import CorpusStats, chunk_document, read_corpus
 from lazyrag.models import LoadedModel, load_model
-from lazyrag.paged import START, PagedAttention, PagePool, page_rows, slots_for
+from lazyrag.paged import PagedAttention, PagePool, page_rows
 from lazyrag.prompt import PromptFormat
 from lazyrag.store import NewChunk, Store, StoreSettings, chunk_id_for, kv_to_storage
 
@@ -70,13 +70,8 @@ class ChunkEncoder:
         self._forward([preamble_ids], [self.preamble[:0]], [self.preamble])
 
     def _forward(self, token_lists: list[list[int]], context: list[torch.Tensor], own: list[torch.Tensor]) -> None:
-        ps = self.pool.page_size
-        positions = torch.cat([torch.arange(int(r[0, START]), int(r[0, START]) + len(t))
-                               for t, r in zip(token_lists, own)])
-        slots = torch.cat([slots_for(r, 0, len(t), ps) for t, r in zip(token_lists, own)])
-        attention = PagedAttention(self.pool, [torch.cat((c, r)) for c, r in zip(context, own)],
-                                   [len(t) for t in token_lists],
-                                   positions, slots, self.loaded.model.inv_freq, self.sm_scale, lazy=True)
+        positions, attention = PagedAttention.for_step(self.pool, token_lists, context, own, [0] * len(own),
+                                                       self.loaded.model.inv_freq, self.sm_scale, lazy=True)
         tokens = torch.tensor([i for t in token_lists for i in t], device=self.loaded.device)
         self.loaded.model(tokens, positions.to(self.loaded.device), attention)
 

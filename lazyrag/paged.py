@@ -136,6 +136,20 @@ class PagedAttention:
         self.cu_seqlens = cu.to(dev)
         self.inv_freq, self.sm_scale, self.lazy = inv_freq, sm_scale, lazy
 
+    @classmethod
+    def for_step(cls, pool: PagePool, token_lists: list[list[int]], contexts: list[torch.Tensor],
+                 owns: list[torch.Tensor], first: list[int], inv_freq: torch.Tensor, sm_scale: float,
+                 lazy: bool) -> tuple[torch.Tensor, "PagedAttention"]:
+        """One forward step: request b feeds token_lists[b], which go to its own rows `owns[b]`
+        from index first[b], after its context rows. Returns the tokens' logical positions and
+        the attention callable."""
+        ps = pool.page_size
+        positions = torch.cat([torch.arange(int(o[0, START]) + f, int(o[0, START]) + f + len(t))
+                               for t, o, f in zip(token_lists, owns, first)])
+        slots = torch.cat([slots_for(o, f, len(t), ps) for t, o, f in zip(token_lists, owns, first)])
+        return positions, cls(pool, [torch.cat((c, o)) for c, o in zip(contexts, owns)],
+                              [len(t) for t in token_lists], positions, slots, inv_freq, sm_scale, lazy)
+
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         k_pages, v_pages = self.pool.layer(layer)
         k_pages.view(-1, *k_pages.shape[2:])[self.slots] = k
