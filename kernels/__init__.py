@@ -33,15 +33,18 @@ API
     rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]`` (int32 [B+1]); ``q_pos`` int32 ``[total_q]``
     logical positions. Returns o ``[total_q, num_heads, D]`` in q's dtype.
     ``rotate=True``: q is UN-rotated; for each page the kernel uses ``R(m - delta) q`` against
-    the stored keys (computed once per run of same-delta pages per query tile; stored keys are
-    never rotated or copied). ``rotate=False``: q is already rotated at its logical positions
+    the stored keys (computed once per run of same-delta pages per query tile, as
+    ``R(m0 - delta) R(m - m0) q`` with ``m0`` the tile's first position; stored keys are never
+    rotated or copied). ``rotate=False``: q is already rotated at its logical positions
     and keys are taken as being at logical positions (ordinary paged causal attention; the
     rotation is compiled out).
     GQA: ``num_heads`` must be a multiple of ``kv_heads`` (any ratio). The caller must have
     written the request's own new tokens into its own pages (delta 0) beforehand.
 ``lazy_decode(q, k_pages, v_pages, pages, q_pos, inv_freq, sm_scale, rotate=True)``
     q ``[B, num_heads, D]``, one token per request at ``q_pos[b]`` (int32 [B]); same rules.
-    Flash-decoding: the key range is split across programs and merged by log-sum-exp.
+    Flash-decoding: the key range is split across programs and merged by log-sum-exp. At head
+    dim 128 the query is rotated page by page with cos/sin rows computed for every page entry
+    by a small kernel first (``flat``); at 64, run by run as in prefill (measured faster each).
 ``rotate_copy(k_pages, v_pages, src, dst, delta, inv_freq, dst_k=None, dst_v=None)``
     For each ``i``: page ``src[i]`` -> page ``dst[i]`` of ``dst_k``/``dst_v`` (default: the same
     pools, in place; then no dst page may also be a src page), keys re-rotated by
@@ -50,9 +53,10 @@ API
 
 Tuning (keyword-only, Triton path; the reference ignores them): ``lazy_prefill`` takes
 ``max_seqlen_q`` (skips a host sync), ``block_m``, ``block_n``, ``num_warps``, ``num_stages``
-and ``out``; ``lazy_decode`` takes ``num_splits``, ``block_n``, ``num_warps``, ``num_stages``
-and ``out``. Both walk a request's pages run by run (a run: consecutive pages with one delta),
-rotating the query once per run outside the inner key loop; see docs/benchmarks.md.
+and ``out``; ``lazy_decode`` takes ``num_splits``, ``flat`` (page by page, see above),
+``block_n`` (run-by-run walk only), ``num_warps``, ``num_stages`` and ``out``. Prefill walks
+a request's pages run by run (a run: consecutive pages with one delta), rotating the query
+once per run outside the inner key loop; see docs/benchmarks.md.
 Measured on the H200: page size 64 is fastest (docs/benchmarks.md, "## Kernels").
 
 Dispatch: CUDA tensors run the Triton kernels; CPU tensors run ``kernels.reference`` (plain

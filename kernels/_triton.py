@@ -13,21 +13,17 @@ from .pages import PageTable
 
 
 @triton.jit
-def _rot_join(x1, x2, pos, invf, DTYPE: tl.constexpr):
-    """R(pos) applied to rows given as halves x1, x2 [M, HALF]; returns one [M, 2*HALF] DTYPE tile.
+def _rotate(x1, x2, c, s):
+    """R x for rows given as fp32 halves x1, x2 [M, HALF] and cos/sin broadcastable to them."""
+    return x1 * c - x2 * s, x2 * c + x1 * s
 
-    fp32 maths: ``pos`` is an int32 [M] difference (already subtracted), converted here.
-    """
-    a1 = x1.to(tl.float32)
-    a2 = x2.to(tl.float32)
-    ang = pos.to(tl.float32)[:, None] * invf[None, :]
-    c = tl.cos(ang)
-    s = tl.sin(ang)
-    r1 = (a1 * c - a2 * s).to(DTYPE)
-    r2 = (a2 * c + a1 * s).to(DTYPE)
+
+@triton.jit
+def _join(r1, r2, DTYPE: tl.constexpr):
+    """[r1 | r2] as one [M, 2*HALF] DTYPE tile (the rotate_half layout of the keys)."""
     M: tl.constexpr = r1.shape[0]
     H2: tl.constexpr = 2 * r1.shape[1]
-    return tl.reshape(tl.permute(tl.join(r1, r2), (0, 2, 1)), (M, H2))
+    return tl.reshape(tl.permute(tl.join(r1.to(DTYPE), r2.to(DTYPE)), (0, 2, 1)), (M, H2))
 
 
 @triton.jit
@@ -74,13 +70,16 @@ def _attn_runs(qptr, qmask, qpos, invf, acc, m_i, l_i,
                PREC: tl.constexpr, IDX64: tl.constexpr, SCAN: tl.constexpr):
     """Online softmax over page entries [p_lo, p_hi) of one request, run by run.
 
-    A run is a stretch of consecutive page entries with one delta (at most SCAN entries).
-    The query is rotated once per run, outside the inner loop, which is then exactly the
-    rotate=False loop (the query is loop-invariant there); blocks are aligned to the run's
-    first page, so no key block ever mixes deltas. Measured against two alternatives on the
-    H200 (docs/benchmarks.md): a flat loop re-rotating on a delta change (its per-block scalar
-    delta load and branch stall the pipeline: prefill 25% slower) and, in decode, rotating
-    for every page unconditionally (20-25% slower).
+    A run is a stretch of consecutive page entries with one delta (at most SCAN entries);
+    blocks are aligned to the run's first page, so no key block ever mixes deltas, and the
+    inner loop is exactly the rotate=False loop (the query is loop-invariant there).
+
+    Rotation: a row at logical position m needs R(m - d) q for a run of delta d. With m0 the
+    tile's earliest position, R(m - d) = R(m0 - d) R(m - m0): the row part R(m - m0) q is
+    applied once, before the loop, and a run costs HALF cos/sin of the scalar (m0 - d), not
+    one per element of the tile (those transcendentals were most of the cost of deferral,
+    docs/benchmarks.md). Both angles are differences of int32 positions taken before the
+    conversion to fp32, as in the one-step formula.
     """
     PPB: tl.constexpr = BLOCK_N // PS
     qmin = tl.min(tl.where(qmask, qpos, 2147483647), axis=0)
@@ -90,7 +89,12 @@ def _attn_runs(qptr, qmask, qpos, invf, acc, m_i, l_i,
     offs_h = tl.arange(0, HALF)
     offs_d = tl.arange(0, 2 * HALF)
     p_hi = tl.minimum(p_hi, n_pages)
-    if not ROTATE:
+    if ROTATE:
+        qh1 = tl.load(qptr[:, None] + offs_h[None, :], mask=qmask[:, None], other=0.0).to(tl.float32)
+        qh2 = tl.load(qptr[:, None] + HALF + offs_h[None, :], mask=qmask[:, None], other=0.0).to(tl.float32)
+        ang = (qpos - qmin).to(tl.float32)[:, None] * invf[None, :]
+        q1, q2 = _rotate(qh1, qh2, tl.cos(ang), tl.sin(ang))
+    else:
         q = tl.load(qptr[:, None] + offs_d[None, :], mask=qmask[:, None], other=0.0).to(DTYPE)
     p = p_lo
     while p < p_hi:
@@ -100,9 +104,9 @@ def _attn_runs(qptr, qmask, qpos, invf, acc, m_i, l_i,
             nd = tl.load(delta_row + p + offs_s, mask=(p + offs_s) < p_hi, other=0)
             differs = (nd != d) | ((p + offs_s) >= p_hi)
             run = tl.min(tl.where(differs, offs_s, SCAN), axis=0)
-            qh1 = tl.load(qptr[:, None] + offs_h[None, :], mask=qmask[:, None], other=0.0)
-            qh2 = tl.load(qptr[:, None] + HALF + offs_h[None, :], mask=qmask[:, None], other=0.0)
-            q = _rot_join(qh1, qh2, qpos - d, invf, DTYPE)
+            ang_run = (qmin - d).to(tl.float32) * invf
+            r1, r2 = _rotate(q1, q2, tl.cos(ang_run)[None, :], tl.sin(ang_run)[None, :])
+            q = _join(r1, r2, DTYPE)
         else:
             run = p_hi - p
         r_end = p + run
@@ -121,27 +125,88 @@ def _attn_runs(qptr, qmask, qpos, invf, acc, m_i, l_i,
 
 
 @triton.jit
+def _attn_pages(qptr, qmask, qpos, acc, m_i, l_i,
+                K, V, ids_row, delta_row, start_row, len_row, cs_row, kvh, p_lo, p_hi,
+                stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
+                qk_scale,
+                DTYPE: tl.constexpr, PS: tl.constexpr, HALF: tl.constexpr,
+                ROTATE: tl.constexpr, PREC: tl.constexpr, IDX64: tl.constexpr):
+    """Decode: online softmax over page entries [p_lo, p_hi), one page per key block.
+
+    The query (one token's heads) is rotated for every page with that page's cos/sin row,
+    precomputed by _decode_angles_kernel, so the loop has no branch and no transcendental:
+    a run-by-run walk restarts the software pipeline at each delta change.
+    """
+    qmin = tl.min(tl.where(qmask, qpos, 2147483647), axis=0)
+    offs_n = tl.arange(0, PS)
+    row_page = offs_n * 0
+    offs_h = tl.arange(0, HALF)
+    offs_d = tl.arange(0, 2 * HALF)
+    if ROTATE:
+        q1 = tl.load(qptr[:, None] + offs_h[None, :], mask=qmask[:, None], other=0.0).to(tl.float32)
+        q2 = tl.load(qptr[:, None] + HALF + offs_h[None, :], mask=qmask[:, None], other=0.0).to(tl.float32)
+    else:
+        q = tl.load(qptr[:, None] + offs_d[None, :], mask=qmask[:, None], other=0.0).to(DTYPE)
+    for p in range(p_lo, p_hi):
+        e = p + row_page
+        krow, vrow, kpos, kvalid = _page_rows(ids_row, start_row, delta_row, len_row, e, e < p_hi, offs_n,
+                                              kvh, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt,
+                                              stride_vh, IDX64)
+        if ROTATE:
+            cb = tl.load(cs_row + p * (2 * HALF) + offs_h)
+            sb = tl.load(cs_row + p * (2 * HALF) + HALF + offs_h)
+            # two half-width dots: joining the halves into one tile first measured 13-17% slower
+            r1, r2 = _rotate(q1, q2, cb[None, :], sb[None, :])
+            k1 = tl.load(K + krow[:, None] + offs_h[None, :])
+            k2 = tl.load(K + krow[:, None] + HALF + offs_h[None, :])
+            s = tl.dot(r1.to(DTYPE), tl.trans(k1), input_precision=PREC)
+            s = tl.dot(r2.to(DTYPE), tl.trans(k2), s, input_precision=PREC)
+        else:
+            k = tl.load(K + krow[:, None] + offs_d[None, :])
+            s = tl.dot(q, tl.trans(k), input_precision=PREC)
+        acc, m_i, l_i = _softmax_step(s * qk_scale, kvalid, kpos, qpos, qmin, V, vrow, offs_d, acc, m_i, l_i,
+                                      DTYPE, PREC)
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _decode_angles_kernel(DELTA, COUNT, QPOS, INVF, CS, stride_tb, max_pages,
+                          HALF: tl.constexpr, BLOCK_P: tl.constexpr):
+    """CS[b, p] = [cos | sin] of (q_pos[b] - delta[b, p]) * inv_freq: one row per page entry."""
+    b = tl.program_id(0)
+    offs_p = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)
+    pmask = offs_p < tl.load(COUNT + b)
+    d = tl.load(DELTA + b.to(tl.int64) * stride_tb + offs_p, mask=pmask, other=0)
+    offs_h = tl.arange(0, HALF)
+    ang = (tl.load(QPOS + b) - d).to(tl.float32)[:, None] * tl.load(INVF + offs_h)[None, :]
+    row = (b.to(tl.int64) * max_pages + offs_p)[:, None] * (2 * HALF) + offs_h[None, :]
+    tl.store(CS + row, tl.cos(ang), mask=pmask[:, None])
+    tl.store(CS + row + HALF, tl.sin(ang), mask=pmask[:, None])
+
+
+@triton.jit
 def _prefill_kernel(Q, K, V, O, IDS, DELTA, START, LEN, COUNT, CU, QPOS, INVF,
                     stride_qt, stride_qh, stride_kp, stride_kt, stride_kh,
                     stride_vp, stride_vt, stride_vh, stride_ot, stride_oh, stride_tb,
                     qk_scale,
-                    GROUP: tl.constexpr, DTYPE: tl.constexpr, PS: tl.constexpr, HALF: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROTATE: tl.constexpr,
+                    GROUP: tl.constexpr, DTYPE: tl.constexpr, PS: tl.constexpr,
+                    HALF: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROTATE: tl.constexpr,
                     PREC: tl.constexpr, IDX64: tl.constexpr):
-    h = tl.program_id(0)
+    # one query head per program: packing the GQA group into the tile's rows (each key block
+    # read once per group) measured no faster on the H200 (docs/benchmarks.md)
+    head = tl.program_id(0)
     b = tl.program_id(1)
     tile = tl.program_id(2)
     q_start = tl.load(CU + b)
     q_end = tl.load(CU + b + 1)
-    m0 = q_start + tile * BLOCK_M
-    if m0 < q_end:
-        kvh = h // GROUP
-        offs_m = m0 + tl.arange(0, BLOCK_M)
-        mmask = offs_m < q_end
+    if q_start + tile * BLOCK_M < q_end:
+        kvh = head // GROUP
+        tok = q_start + tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        mmask = tok < q_end
         offs_h = tl.arange(0, HALF)
         offs_d = tl.arange(0, 2 * HALF)
-        qptr = Q + offs_m.to(tl.int64) * stride_qt + h * stride_qh
-        qpos = tl.load(QPOS + offs_m, mask=mmask, other=0)
+        qptr = Q + tok.to(tl.int64) * stride_qt + head * stride_qh
+        qpos = tl.load(QPOS + tok, mask=mmask, other=0)
         invf = tl.load(INVF + offs_h)
         n_pages = tl.load(COUNT + b)
         acc = tl.zeros([BLOCK_M, 2 * HALF], dtype=tl.float32)
@@ -155,18 +220,18 @@ def _prefill_kernel(Q, K, V, O, IDS, DELTA, START, LEN, COUNT, CU, QPOS, INVF,
                                    qk_scale, DTYPE, PS, HALF, BLOCK_M, BLOCK_N, ROTATE, PREC, IDX64, 64)
         l_safe = tl.where(l_i > 0, l_i, 1.0)
         o = tl.where(l_i[:, None] > 0, acc / l_safe[:, None], 0.0)
-        orow = offs_m.to(tl.int64) * stride_ot + h * stride_oh
+        orow = tok.to(tl.int64) * stride_ot + head * stride_oh
         tl.store(O + orow[:, None] + offs_d[None, :], o.to(O.dtype.element_ty), mask=mmask[:, None])
 
 
 @triton.jit
-def _decode_split_kernel(Q, K, V, OP, LSE, IDS, DELTA, START, LEN, COUNT, QPOS, INVF,
+def _decode_split_kernel(Q, K, V, OP, LSE, IDS, DELTA, START, LEN, COUNT, QPOS, INVF, CS,
                          stride_qb, stride_qh, stride_kp, stride_kt, stride_kh,
                          stride_vp, stride_vt, stride_vh, stride_tb, num_heads, blk_per_split, num_splits,
-                         qk_scale,
+                         max_pages, qk_scale,
                          GROUP: tl.constexpr, DTYPE: tl.constexpr, PS: tl.constexpr, HALF: tl.constexpr,
                          BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-                         ROTATE: tl.constexpr, PREC: tl.constexpr, IDX64: tl.constexpr):
+                         ROTATE: tl.constexpr, PREC: tl.constexpr, IDX64: tl.constexpr, FLAT: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
@@ -186,7 +251,13 @@ def _decode_split_kernel(Q, K, V, OP, LSE, IDS, DELTA, START, LEN, COUNT, QPOS, 
     m_i = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     tb = b.to(tl.int64) * stride_tb
-    if lo < hi:
+    if lo < hi and FLAT:
+        acc, m_i, l_i = _attn_pages(qptr, gmask, qpos, acc, m_i, l_i,
+                                    K, V, IDS + tb, DELTA + tb, START + tb, LEN + tb,
+                                    CS + b.to(tl.int64) * max_pages * (2 * HALF), kvh, lo, hi,
+                                    stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
+                                    qk_scale, DTYPE, PS, HALF, ROTATE, PREC, IDX64)
+    if lo < hi and not FLAT:
         PPB: tl.constexpr = BLOCK_N // PS
         acc, m_i, l_i = _attn_runs(qptr, gmask, qpos, invf, acc, m_i, l_i,
                                    K, V, IDS + tb, DELTA + tb, START + tb, LEN + tb, n_pages, kvh,
@@ -243,8 +314,9 @@ def _rotate_copy_kernel(K, V, DK, DV, SRC, DST, DELTA, INVF,
     k2 = tl.load(K + src * stride_kp + HALF + roff, mask=rmask[:, None]).to(tl.float32)
     v1 = tl.load(V + src * stride_vp + roff, mask=rmask[:, None])
     v2 = tl.load(V + src * stride_vp + HALF + roff, mask=rmask[:, None])
-    tl.store(DK + dst * stride_dkp + roff, (k1 * c - k2 * s).to(DK.dtype.element_ty), mask=rmask[:, None])
-    tl.store(DK + dst * stride_dkp + HALF + roff, (k2 * c + k1 * s).to(DK.dtype.element_ty), mask=rmask[:, None])
+    r1, r2 = _rotate(k1, k2, c, s)
+    tl.store(DK + dst * stride_dkp + roff, r1.to(DK.dtype.element_ty), mask=rmask[:, None])
+    tl.store(DK + dst * stride_dkp + HALF + roff, r2.to(DK.dtype.element_ty), mask=rmask[:, None])
     tl.store(DV + dst * stride_dvp + roff, v1.to(DV.dtype.element_ty), mask=rmask[:, None])
     tl.store(DV + dst * stride_dvp + HALF + roff, v2.to(DV.dtype.element_ty), mask=rmask[:, None])
 
@@ -269,8 +341,10 @@ def _num_sms(device) -> int:
     return 4
 
 
-def _block_n(ps: int, head_dim: int) -> int:
-    return max(ps, 64)
+def _prefill_block_n(ps: int, head_dim: int) -> int:
+    # measured on the H200 (docs/benchmarks.md): 128-key blocks at head dim 64 (15% faster),
+    # 64 at head dim 128 (128 is 13-50% slower)
+    return max(ps, 128 if head_dim == 64 else 64)
 
 
 def lazy_prefill(q, k_pages, v_pages, pages: PageTable, cu_seqlens_q, q_pos, inv_freq, sm_scale, rotate=True,
@@ -279,6 +353,7 @@ def lazy_prefill(q, k_pages, v_pages, pages: PageTable, cu_seqlens_q, q_pos, inv
     total, H, D = q.shape
     _, PS, Hkv, _ = k_pages.shape
     B = pages.ids.shape[0]
+    G = H // Hkv
     o = torch.empty_like(q) if out is None else out
     if total == 0 or B == 0:
         return o
@@ -286,8 +361,7 @@ def lazy_prefill(q, k_pages, v_pages, pages: PageTable, cu_seqlens_q, q_pos, inv
         max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max().item())
     if block_m is None:  # 64 x 64 tiles, 4 warps measured best on the H200 (docs/benchmarks.md)
         block_m = max(16, min(64, triton.next_power_of_2(max(1, max_seqlen_q))))
-    block_n = block_n or _block_n(PS, D)
-    block_n = max(block_n, PS)
+    block_n = max(block_n or _prefill_block_n(PS, D), PS)
     n_tiles = max(1, triton.cdiv(max_seqlen_q, block_m))
     if num_warps is None:
         num_warps = 8 if block_m >= 128 else 4
@@ -300,7 +374,7 @@ def lazy_prefill(q, k_pages, v_pages, pages: PageTable, cu_seqlens_q, q_pos, inv
         q.stride(0), q.stride(1), k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
         v_pages.stride(0), v_pages.stride(1), v_pages.stride(2), o.stride(0), o.stride(1), pages.ids.stride(0),
         float(sm_scale) * _LOG2E,
-        GROUP=H // Hkv, DTYPE=_TL_DTYPE[q.dtype], PS=PS, HALF=D // 2,
+        GROUP=G, DTYPE=_TL_DTYPE[q.dtype], PS=PS, HALF=D // 2,
         BLOCK_M=block_m, BLOCK_N=block_n, ROTATE=bool(rotate), PREC=_prec(q.dtype), IDX64=_idx64(k_pages, v_pages),
         num_warps=num_warps, num_stages=num_stages)
     return o
@@ -308,16 +382,21 @@ def lazy_prefill(q, k_pages, v_pages, pages: PageTable, cu_seqlens_q, q_pos, inv
 
 def lazy_decode(q, k_pages, v_pages, pages: PageTable, q_pos, inv_freq, sm_scale, rotate=True,
                 num_splits: int | None = None, block_n: int | None = None, num_warps: int | None = None,
-                num_stages: int | None = None, out=None):
+                num_stages: int | None = None, flat: bool | None = None, out=None):
     B, H, D = q.shape
     _, PS, Hkv, _ = k_pages.shape
     G = H // Hkv
     o = torch.empty_like(q) if out is None else out
     if B == 0:
         return o
-    block_n = max(block_n or _block_n(PS, D), PS)
-    max_blk = max(1, triton.cdiv(pages.ids.shape[1] * PS, block_n))  # upper bound, no host sync
+    if flat is None:  # page by page at head dim 128, run by run at 64: measured, docs/benchmarks.md
+        flat = D == 128
+    block_n = PS if flat else max(block_n or 64, PS)
+    max_pages = pages.ids.shape[1]
+    max_blk = max(1, triton.cdiv(max_pages * PS, block_n))  # upper bound, no host sync
     if num_splits is None:
+        # about 4 programs per SM; measured against 8 per SM (docs/benchmarks.md): best at
+        # 32 x 8K (300 vs 338 us), 5% behind at 8 x 32K (351 vs 332 us)
         want = triton.cdiv(4 * _num_sms(q.device), B * Hkv)
         num_splits = max(1, min(want, max_blk, 64))
     blk_per_split = triton.cdiv(max_blk, num_splits)
@@ -325,14 +404,20 @@ def lazy_decode(q, k_pages, v_pages, pages: PageTable, q_pos, inv_freq, sm_scale
     scratch = torch.full if POISON_SCRATCH else (lambda shape, _v, **kw: torch.empty(shape, **kw))
     op = scratch((B, H, num_splits, D), float("nan"), device=q.device, dtype=torch.float32)
     lse = scratch((B, H, num_splits), float("nan"), device=q.device, dtype=torch.float32)
+    cs = op  # unused unless the flat loop rotates
+    if flat and rotate:
+        cs = scratch((B, max_pages, D), float("nan"), device=q.device, dtype=torch.float32)
+        _decode_angles_kernel[(B, triton.cdiv(max_pages, 32))](
+            pages.delta, pages.count, q_pos, inv_freq, cs, pages.delta.stride(0), max_pages,
+            HALF=D // 2, BLOCK_P=32, num_warps=4)
     block_h = max(16, triton.next_power_of_2(G))
     _decode_split_kernel[(B, Hkv, num_splits)](
         q, k_pages, v_pages, op, lse, pages.ids, pages.delta, pages.start, pages.length, pages.count, q_pos, inv_freq,
-        q.stride(0), q.stride(1), k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
+        cs, q.stride(0), q.stride(1), k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
         v_pages.stride(0), v_pages.stride(1), v_pages.stride(2), pages.ids.stride(0), H, blk_per_split, num_splits,
-        float(sm_scale) * _LOG2E,
+        max_pages, float(sm_scale) * _LOG2E,
         GROUP=G, DTYPE=_TL_DTYPE[q.dtype], PS=PS, HALF=D // 2, BLOCK_H=block_h, BLOCK_N=block_n,
-        ROTATE=bool(rotate), PREC=_prec(q.dtype), IDX64=_idx64(k_pages, v_pages),
+        ROTATE=bool(rotate), PREC=_prec(q.dtype), IDX64=_idx64(k_pages, v_pages), FLAT=bool(flat),
         num_warps=num_warps or (8 if D == 64 else 4), num_stages=num_stages or 2)
     # the split count is a runtime argument (it follows the batch size; a constexpr would
     # compile a kernel per batch size); the merge rounds it up to a power of two

@@ -300,8 +300,9 @@ def main():
     bw_lim = f"{copy_bw:.2f} TB/s copy"
     mm_lim = f"{mm:.0f} TFLOP/s mm"
 
-    dec_cfgs = [dict(block_n=64, num_warps=w) for w in (4, 8)]
-    pre_cfgs = [dict(block_m=bm, block_n=64, num_warps=w, num_stages=2) for bm, w in ((64, 4), (128, 8))]
+    # first configs: the defaults; then the alternatives they were chosen over
+    dec_cfgs = [dict(), dict(flat=True), dict(flat=False), dict(num_splits=3), dict(num_splits=9)]
+    pre_cfgs = [dict(), dict(block_n=64), dict(block_n=128), dict(block_m=128, num_warps=8)]
     if QUICK:
         dec_cfgs, pre_cfgs = dec_cfgs[:1], pre_cfgs[:1]
 

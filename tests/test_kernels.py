@@ -318,7 +318,7 @@ def test_prefill_interp(interp, name, kw, rotate):
 @pytest.mark.parametrize("name,kw", [KERNEL_CASES[i] for i in (0, 2, 5, 7)],
                          ids=[KERNEL_CASES[i][0] for i in (0, 2, 5, 7)])
 def test_prefill_interp_wide_tile(interp, name, kw):
-    """BLOCK_M >= BLOCK_N: blocks straddling deltas take the key-rotation path."""
+    """64 x 64 tiles: one tile holds many query rows, and a key block several pages."""
     c = make_case(**kw)
     want = reference.lazy_prefill(c.q, c.k_pages, c.v_pages, c.pages, c.cu, c.q_pos, c.inv_freq, c.sm_scale)
     got = kernels.lazy_prefill(c.q, c.k_pages, c.v_pages, c.pages, c.cu, c.q_pos, c.inv_freq, c.sm_scale,
@@ -329,7 +329,8 @@ def test_prefill_interp_wide_tile(interp, name, kw):
 
 @pytest.mark.parametrize("name,kw", KERNEL_CASES[:6], ids=[k[0] for k in KERNEL_CASES[:6]])
 @pytest.mark.parametrize("splits", [None, 3])
-def test_decode_interp(interp, name, kw, splits):
+@pytest.mark.parametrize("flat", [True, False])
+def test_decode_interp(interp, name, kw, splits, flat):
     kw = dict(kw)
     n = len(kw.get("plan") or [0, 1, 2])
     kw["q_lens"] = [1] * n
@@ -340,7 +341,7 @@ def test_decode_interp(interp, name, kw, splits):
                                      rotate=rotate)
         out = torch.full_like(c.q, float("nan"))
         got = kernels.lazy_decode(c.q, c.k_pages, c.v_pages, c.pages, c.q_pos, c.inv_freq, c.sm_scale,
-                                  rotate=rotate, out=out, num_splits=splits)
+                                  rotate=rotate, out=out, num_splits=splits, flat=flat)
         assert not torch.isnan(got).any(), "unwritten output elements"
         assert rel_err(got, want) < tol(c.q.dtype), rel_err(got, want)
 
