@@ -120,6 +120,23 @@ def run(engine_args: dict, loaded, store, mode: str, prompts, questions, cache_g
     return result
 
 
+def profile_run(engine_args: dict, loaded, store, mode: str, prompts, questions, cache_gb: float,
+                batch_size: int, model: str) -> dict:
+    """One closed run under torch.profiler: where the time goes (GPU busy share, top kernels)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        r = run(engine_args, loaded, store, mode, prompts, questions, cache_gb, batch_size)
+    events = prof.key_averages()
+    busy_us = sum(e.self_device_time_total for e in events)
+    top = sorted(events, key=lambda e: e.self_device_time_total, reverse=True)[:12]
+    summary = {"seconds": r["seconds"], "gpu_busy_s": round(busy_us / 1e6, 3),
+               "gpu_busy_share": round(busy_us / 1e6 / r["seconds"], 3),
+               "top_kernels_ms": {e.key[:80]: round(e.self_device_time_total / 1e3, 1) for e in top}}
+    print(f"[{model}] profile {mode} ({len(prompts)} requests): {json.dumps(summary)}", flush=True)
+    return summary
+
+
 def bench_model(model: str, args, root: Path, save) -> dict:
     """All runs for one model; `save(partial)` after each, so a time limit loses nothing."""
     from lazyrag.models import load_model
@@ -150,6 +167,10 @@ def bench_model(model: str, args, root: Path, save) -> dict:
             run(kw, loaded, store, mode, zipf[:m], questions[:m], cache, args.batch_size)
     if not args.skip_full:
         run(kw, loaded, store, "full", zipf[:2], questions[:2], cache, args.batch_size)
+    if args.profile:
+        out["profile"] = {m: profile_run(kw, loaded, store, m, zipf[:args.profile], questions, cache, args.batch_size,
+                                         model) for m in ("lazy", "block")}
+        save(out)
     if args.only_lazy_at:
         for gb in args.only_lazy_at:
             r = run(kw, loaded, store, "lazy", zipf, questions, gb, args.batch_size)
@@ -287,6 +308,9 @@ def main() -> None:
     ap.add_argument("--only-lazy-at", type=lambda s: [float(x) for x in s.split(",") if x], default=[],
                     help="diagnosis: after the warm-up, only time lazy on the Zipf requests at these "
                          "cache budgets (GB), in this order (e.g. 60,26.6,60,26.6: size or order?)")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="also run lazy and block on N Zipf requests under torch.profiler (GPU busy share, "
+                         "top kernels) before the timed runs")
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--docs", type=int, default=DOCS)
     ap.add_argument("--doc-tokens", type=int, default=DOC_TOKENS)
