@@ -127,9 +127,12 @@ def profile_run(engine_args: dict, loaded, store, mode: str, prompts, questions,
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         r = run(engine_args, loaded, store, mode, prompts, questions, cache_gb, batch_size)
-    events = prof.key_averages()
-    busy_us = sum(e.self_device_time_total for e in events)
-    top = sorted(events, key=lambda e: e.self_device_time_total, reverse=True)[:12]
+    from torch.autograd import DeviceType
+
+    # device-side events only (kernels, memcpys): a CPU op's device time repeats its kernels'
+    kernels = [e for e in prof.key_averages() if e.device_type != DeviceType.CPU]
+    busy_us = sum(e.self_device_time_total for e in kernels)
+    top = sorted(kernels, key=lambda e: e.self_device_time_total, reverse=True)[:12]
     summary = {"seconds": r["seconds"], "gpu_busy_s": round(busy_us / 1e6, 3),
                "gpu_busy_share": round(busy_us / 1e6 / r["seconds"], 3),
                "top_kernels_ms": {e.key[:80]: round(e.self_device_time_total / 1e3, 1) for e in top}}

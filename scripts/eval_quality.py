@@ -7,8 +7,9 @@ plus the fidelity of lazy and block to full (identical greedy answers, token F1 
 them). News (no gold): fidelity only; each question gets its own document (same number)
 plus 4 BM25 neighbours from the whole corpus, shuffled.
 
-Both go through the real index and answer paths. Writes docs/quality.md and
-docs/quality.json. --musique-limit / --news-limit keep the CPU time reasonable.
+Both go through the real index and answer paths. Writes docs/results/quality-eval.md (the
+tables docs/quality.md quotes) and docs/results/quality-eval.json. --musique-limit /
+--news-limit keep the CPU time reasonable.
 
 Usage: python scripts/eval_quality.py --data ../shared/data [--musique-limit 50] [--news-limit 25]
 """
@@ -176,9 +177,9 @@ def main() -> None:
     res = {"musique": musique(args, args.work)}
     if not args.skip_news:
         res["news"] = news(args, args.work)
-    (ROOT / "docs" / "quality.json").write_text(json.dumps(res, indent=1))
+    (ROOT / "docs" / "results" / "quality-eval.json").write_text(json.dumps(res, indent=1))
     text = report(res, args)
-    (ROOT / "docs" / "quality.md").write_text(text)
+    (ROOT / "docs" / "results" / "quality-eval.md").write_text(text)
     print(text)
 
 
