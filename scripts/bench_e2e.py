@@ -130,12 +130,16 @@ def profile_run(engine_args: dict, loaded, store, mode: str, prompts, questions,
     from torch.autograd import DeviceType
 
     # device-side events only (kernels, memcpys): a CPU op's device time repeats its kernels'
-    kernels = [e for e in prof.key_averages() if e.device_type != DeviceType.CPU]
+    events = prof.key_averages()
+    kernels = [e for e in events if e.device_type != DeviceType.CPU]
     busy_us = sum(e.self_device_time_total for e in kernels)
     top = sorted(kernels, key=lambda e: e.self_device_time_total, reverse=True)[:12]
+    host = sorted((e for e in events if e.device_type == DeviceType.CPU), key=lambda e: e.self_cpu_time_total,
+                  reverse=True)[:12]
     summary = {"seconds": r["seconds"], "gpu_busy_s": round(busy_us / 1e6, 3),
                "gpu_busy_share": round(busy_us / 1e6 / r["seconds"], 3),
-               "top_kernels_ms": {e.key[:80]: round(e.self_device_time_total / 1e3, 1) for e in top}}
+               "top_kernels_ms": {e.key[:80]: round(e.self_device_time_total / 1e3, 1) for e in top},
+               "top_host_ops_ms": {f"{e.key[:70]} x{e.count}": round(e.self_cpu_time_total / 1e3, 1) for e in host}}
     print(f"[{model}] profile {mode} ({len(prompts)} requests): {json.dumps(summary)}", flush=True)
     return summary
 
