@@ -1,0 +1,80 @@
+#!/usr/bin/env python
+"""Registers, spills and shared memory of the Triton kernels, compiled for the H200 (sm_90a)
+ahead of time: no GPU needed, so it runs on the CPU machine.
+
+Spills in a key loop cost local-memory traffic on every iteration; this shows them per
+tile configuration before any device time is spent. Uses the ptxas that ships with Triton.
+
+Usage: python scripts/kernel_regs.py [--arch 90]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from kernels import _triton as kt  # noqa: E402
+
+PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+POINTERS = {**{n: "*bf16" for n in ("Q", "K", "V", "O")},
+            **{n: "*i32" for n in ("IDS", "DELTA", "START", "LEN", "COUNT", "CU", "QPOS")},
+            **{n: "*fp32" for n in ("INVF", "OP", "LSE", "CS")}}
+
+
+def resources(kernel, constexprs: dict, num_warps: int, num_stages: int, arch: int) -> dict:
+    names = kernel.arg_names
+    sig = {n: POINTERS.get(n, "constexpr" if n in constexprs else "fp32" if n == "qk_scale" else "i32")
+           for n in names}
+    src = ASTSource(fn=kernel, signature=sig, constexprs={(names.index(n),): v for n, v in constexprs.items()})
+    compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                              options=dict(num_warps=num_warps, num_stages=num_stages))
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = Path(tmp) / "k.ptx"
+        ptx.write_text(compiled.asm["ptx"])
+        info = subprocess.run([PTXAS, "-v", f"--gpu-name=sm_{arch}a", str(ptx), "-o", str(Path(tmp) / "k.cubin")],
+                              capture_output=True, text=True, check=True).stderr
+    regs = re.search(r"Used (\d+) registers", info)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", info)
+    return {"registers": int(regs.group(1)) if regs else None,
+            "spill_stores": int(spills.group(1)) if spills else 0,
+            "spill_loads": int(spills.group(2)) if spills else 0,
+            "shared": compiled.metadata.shared}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--arch", type=int, default=90, help="compute capability x10 (90: H100/H200)")
+    args = ap.parse_args()
+    bf16 = triton.language.bfloat16
+    rows = []
+    for D in (128, 64):
+        for rotate in (True, False):
+            for bm, bn, warps in ((64, 64, 4), (64, 64, 8), (128, 64, 8), (64, 128, 4)):
+                c = dict(GROUP=4, DTYPE=bf16, PS=64, HALF=D // 2, BLOCK_M=bm, BLOCK_N=bn, ROTATE=rotate, PREC="tf32",
+                         IDX64=False)
+                rows.append(("prefill", D, rotate, f"{bm}x{bn}, {warps} warps",
+                             resources(kt._prefill_kernel, c, warps, 2, args.arch)))
+            for flat in (True, False):
+                c = dict(GROUP=4, DTYPE=bf16, PS=64, HALF=D // 2, BLOCK_H=16, BLOCK_N=64, ROTATE=rotate,
+                         PREC="tf32", IDX64=False, FLAT=flat)
+                rows.append(("decode", D, rotate, f"{'flat' if flat else 'runs'}, 4 warps",
+                             resources(kt._decode_split_kernel, c, 4, 2, args.arch)))
+    print(f"sm_{args.arch}a, triton {triton.__version__}, bf16, page size 64, 2 stages\n")
+    print("| kernel | head dim | rotate | config | registers | spill stores / loads (bytes) | shared (bytes) |")
+    print("|---|---|---|---|---|---|---|")
+    for kernel, D, rotate, cfg, r in rows:
+        print(f"| {kernel} | {D} | {rotate} | {cfg} | {r['registers']} | {r['spill_stores']} / {r['spill_loads']} | "
+              f"{r['shared']} |")
+
+
+if __name__ == "__main__":
+    main()
