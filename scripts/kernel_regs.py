@@ -3,14 +3,14 @@
 ahead of time: no GPU needed, so it runs on the CPU machine.
 
 Spills in a key loop cost local-memory traffic on every iteration; this shows them per
-tile configuration before any device time is spent. Uses the ptxas that ships with Triton.
+tile configuration before any device time is spent. Uses the ptxas that ships with Triton;
+the numbers belong to the installed Triton version (printed), which should match the GPU's.
 
 Usage: python scripts/kernel_regs.py [--arch 90]
 """
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import subprocess
 import sys
@@ -19,12 +19,12 @@ from pathlib import Path
 
 import triton
 from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from kernels import _triton as kt  # noqa: E402
 
-PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 POINTERS = {**{n: "*bf16" for n in ("Q", "K", "V", "O")},
             **{n: "*i32" for n in ("IDS", "DELTA", "START", "LEN", "COUNT", "CU", "QPOS")},
             **{n: "*fp32" for n in ("INVF", "OP", "LSE", "CS")}}
@@ -40,7 +40,8 @@ def resources(kernel, constexprs: dict, num_warps: int, num_stages: int, arch: i
     with tempfile.TemporaryDirectory() as tmp:
         ptx = Path(tmp) / "k.ptx"
         ptx.write_text(compiled.asm["ptx"])
-        info = subprocess.run([PTXAS, "-v", f"--gpu-name=sm_{arch}a", str(ptx), "-o", str(Path(tmp) / "k.cubin")],
+        # the ptxas this Triton version compiles with (the PTX it emits may be too new for another)
+        info = subprocess.run([get_ptxas(arch).path, "-v", f"--gpu-name=sm_{arch}a", str(ptx), "-o", str(Path(tmp) / "k.cubin")],
                               capture_output=True, text=True, check=True).stderr
     regs = re.search(r"Used (\d+) registers", info)
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", info)

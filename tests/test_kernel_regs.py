@@ -1,4 +1,5 @@
 """scripts/kernel_regs.py: compiles the kernels for sm_90a without a GPU and reads ptxas's report."""
+import importlib.util
 import os
 import subprocess
 import sys
@@ -6,20 +7,20 @@ from pathlib import Path
 
 import pytest
 
-triton = pytest.importorskip("triton")
-PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.mark.skipif(not os.path.exists(PTXAS), reason="Triton ships no ptxas here")
+# Triton is not imported here: the kernel tests must be the first to import it, under its
+# interpreter; the script runs in a fresh process without TRITON_INTERPRET.
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
 def test_kernel_regs_table():
-    # a fresh process: the kernel tests import Triton under its interpreter, which compiles nothing
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "kernel_regs.py")], env=env, cwd=ROOT,
-                         capture_output=True, text=True, timeout=600, check=True).stdout
-    rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| prefill") or
-            line.startswith("| decode")]
-    assert len(rows) == 24
+    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "kernel_regs.py")], env=env, cwd=ROOT,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = [line.split("|")[1:-1] for line in run.stdout.splitlines()
+            if line.startswith("| prefill") or line.startswith("| decode")]
+    assert len(rows) >= 24
     for row in rows:
         regs = int(row[4])
         stores, loads = (int(x) for x in row[5].split("/"))
