@@ -42,8 +42,7 @@ def _page_rows(ids_row, start_row, delta_row, len_row, e, emask, row_tok, kvh,
 
 
 @triton.jit
-def _softmax_step(s, kvalid, kpos, qpos, qmin, V, vrow, offs_d, acc, m_i, l_i,
-                  DTYPE: tl.constexpr, PREC: tl.constexpr):
+def _softmax_step(s, kvalid, kpos, qpos, qmin, v, acc, m_i, l_i, DTYPE: tl.constexpr, PREC: tl.constexpr):
     """One key block of online softmax: scores s [M, N] (log2 units) -> updated acc, m_i, l_i."""
     # mask only blocks that need it (padding rows, or keys after the earliest query)
     kmax = tl.max(tl.where(kvalid, kpos, 2147483647), axis=0)
@@ -53,7 +52,6 @@ def _softmax_step(s, kvalid, kpos, qpos, qmin, V, vrow, offs_d, acc, m_i, l_i,
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    v = tl.load(V + vrow[:, None] + offs_d[None, :], mask=kvalid[:, None], other=0.0)
     acc = acc * alpha[:, None]
     acc = tl.dot(p.to(DTYPE), v, acc, input_precision=PREC)
     return acc, m_new, l_i
@@ -67,7 +65,7 @@ def _attn_runs(qptr, qmask, qpos, invf, acc, m_i, l_i,
                qk_scale,
                DTYPE: tl.constexpr, PS: tl.constexpr, HALF: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROTATE: tl.constexpr,
-               PREC: tl.constexpr, IDX64: tl.constexpr, SCAN: tl.constexpr):
+               PREC: tl.constexpr, IDX64: tl.constexpr, SCAN: tl.constexpr, TMA: tl.constexpr):
     """Online softmax over page entries [p_lo, p_hi) of one request, run by run.
 
     A run is a stretch of consecutive page entries with one delta (at most SCAN entries);
@@ -115,11 +113,17 @@ def _attn_runs(qptr, qmask, qpos, invf, acc, m_i, l_i,
             krow, vrow, kpos, kvalid = _page_rows(ids_row, start_row, delta_row, len_row, e, e < r_end, row_tok,
                                                   kvh, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt,
                                                   stride_vh, IDX64)
-            # unmasked: every row address is inside the pool (rows past the run read page 0);
-            # their scores are replaced by -inf, so junk there is harmless
-            k = tl.load(K + krow[:, None] + offs_d[None, :])
+            if TMA:  # one page per block: a TMA copy of the page's rows of this KV head
+                pid = tl.load(ids_row + p + i)
+                k = K.load([pid * PS, kvh * (2 * HALF)])
+                v = V.load([pid * PS, kvh * (2 * HALF)])
+            else:
+                # unmasked: every row address is inside the pool (rows past the run read page 0);
+                # their scores are replaced by -inf, so junk there is harmless
+                k = tl.load(K + krow[:, None] + offs_d[None, :])
+                v = tl.load(V + vrow[:, None] + offs_d[None, :], mask=kvalid[:, None], other=0.0)
             s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
-            acc, m_i, l_i = _softmax_step(s, kvalid, kpos, qpos, qmin, V, vrow, offs_d, acc, m_i, l_i, DTYPE, PREC)
+            acc, m_i, l_i = _softmax_step(s, kvalid, kpos, qpos, qmin, v, acc, m_i, l_i, DTYPE, PREC)
         p = r_end
     return acc, m_i, l_i
 
@@ -164,8 +168,8 @@ def _attn_pages(qptr, qmask, qpos, acc, m_i, l_i,
         else:
             k = tl.load(K + krow[:, None] + offs_d[None, :])
             s = tl.dot(q, tl.trans(k), input_precision=PREC)
-        acc, m_i, l_i = _softmax_step(s * qk_scale, kvalid, kpos, qpos, qmin, V, vrow, offs_d, acc, m_i, l_i,
-                                      DTYPE, PREC)
+        v = tl.load(V + vrow[:, None] + offs_d[None, :], mask=kvalid[:, None], other=0.0)
+        acc, m_i, l_i = _softmax_step(s * qk_scale, kvalid, kpos, qpos, qmin, v, acc, m_i, l_i, DTYPE, PREC)
     return acc, m_i, l_i
 
 
@@ -191,7 +195,7 @@ def _prefill_kernel(Q, K, V, O, IDS, DELTA, START, LEN, COUNT, CU, QPOS, INVF,
                     qk_scale,
                     GROUP: tl.constexpr, DTYPE: tl.constexpr, PS: tl.constexpr,
                     HALF: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROTATE: tl.constexpr,
-                    PREC: tl.constexpr, IDX64: tl.constexpr):
+                    PREC: tl.constexpr, IDX64: tl.constexpr, TMA: tl.constexpr):
     # one query head per program: packing the GQA group into the tile's rows (each key block
     # read once per group) measured no faster on the H200 (docs/benchmarks.md)
     head = tl.program_id(0)
@@ -217,7 +221,7 @@ def _prefill_kernel(Q, K, V, O, IDS, DELTA, START, LEN, COUNT, CU, QPOS, INVF,
                                    K, V, IDS + tb, DELTA + tb, START + tb, LEN + tb, n_pages, kvh,
                                    0, n_pages,
                                    stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
-                                   qk_scale, DTYPE, PS, HALF, BLOCK_M, BLOCK_N, ROTATE, PREC, IDX64, 64)
+                                   qk_scale, DTYPE, PS, HALF, BLOCK_M, BLOCK_N, ROTATE, PREC, IDX64, 64, TMA)
         l_safe = tl.where(l_i > 0, l_i, 1.0)
         o = tl.where(l_i[:, None] > 0, acc / l_safe[:, None], 0.0)
         orow = tok.to(tl.int64) * stride_ot + head * stride_oh
@@ -263,7 +267,7 @@ def _decode_split_kernel(Q, K, V, OP, LSE, IDS, DELTA, START, LEN, COUNT, QPOS, 
                                    K, V, IDS + tb, DELTA + tb, START + tb, LEN + tb, n_pages, kvh,
                                    lo * PPB, hi * PPB,
                                    stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
-                                   qk_scale, DTYPE, PS, HALF, BLOCK_H, BLOCK_N, ROTATE, PREC, IDX64, 64)
+                                   qk_scale, DTYPE, PS, HALF, BLOCK_H, BLOCK_N, ROTATE, PREC, IDX64, 64, False)
     # partial results: OP [B, H, num_splits, D] (normalised), LSE [B, H, num_splits] (log2 domain)
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     o = acc / l_safe[:, None]
@@ -349,7 +353,7 @@ def _prefill_block_n(ps: int, head_dim: int) -> int:
 
 def lazy_prefill(q, k_pages, v_pages, pages: PageTable, cu_seqlens_q, q_pos, inv_freq, sm_scale, rotate=True,
                  max_seqlen_q: int | None = None, block_m: int | None = None, block_n: int | None = None,
-                 num_warps: int | None = None, num_stages: int | None = None, out=None):
+                 num_warps: int | None = None, num_stages: int | None = None, tma: bool = False, out=None):
     total, H, D = q.shape
     _, PS, Hkv, _ = k_pages.shape
     B = pages.ids.shape[0]
@@ -368,15 +372,22 @@ def lazy_prefill(q, k_pages, v_pages, pages: PageTable, cu_seqlens_q, q_pos, inv
     if num_stages is None:
         num_stages = 2
     grid = (H, B, n_tiles)
+    kk, vv = k_pages, v_pages
+    if tma:  # Hopper TMA loads of whole pages: one page per key block, pages contiguous
+        if block_n != PS or any(t.stride(0) != PS * Hkv * D for t in (k_pages, v_pages)):
+            raise ValueError("tma needs block_n == page_size and contiguous pools")
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        kk, vv = (TensorDescriptor.from_tensor(t.view(-1, Hkv * D), [PS, D]) for t in (k_pages, v_pages))
     _prefill_kernel[grid](
-        q, k_pages, v_pages, o, pages.ids, pages.delta, pages.start, pages.length, pages.count,
+        q, kk, vv, o, pages.ids, pages.delta, pages.start, pages.length, pages.count,
         cu_seqlens_q, q_pos, inv_freq,
         q.stride(0), q.stride(1), k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
         v_pages.stride(0), v_pages.stride(1), v_pages.stride(2), o.stride(0), o.stride(1), pages.ids.stride(0),
         float(sm_scale) * _LOG2E,
         GROUP=G, DTYPE=_TL_DTYPE[q.dtype], PS=PS, HALF=D // 2,
         BLOCK_M=block_m, BLOCK_N=block_n, ROTATE=bool(rotate), PREC=_prec(q.dtype), IDX64=_idx64(k_pages, v_pages),
-        num_warps=num_warps, num_stages=num_stages)
+        TMA=bool(tma), num_warps=num_warps, num_stages=num_stages)
     return o
 
 

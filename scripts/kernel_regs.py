@@ -30,10 +30,12 @@ POINTERS = {**{n: "*bf16" for n in ("Q", "K", "V", "O")},
             **{n: "*fp32" for n in ("INVF", "OP", "LSE", "CS")}}
 
 
-def resources(kernel, constexprs: dict, num_warps: int, num_stages: int, arch: int) -> dict:
+def resources(kernel, constexprs: dict, num_warps: int, num_stages: int, arch: int, tma_block=None) -> dict:
     names = kernel.arg_names
     sig = {n: POINTERS.get(n, "constexpr" if n in constexprs else "fp32" if n == "qk_scale" else "i32")
            for n in names}
+    if tma_block:  # K and V as TMA descriptors of [rows, columns] blocks
+        sig.update(K=f"tensordesc<bf16{list(tma_block)}>", V=f"tensordesc<bf16{list(tma_block)}>")
     src = ASTSource(fn=kernel, signature=sig, constexprs={(names.index(n),): v for n, v in constexprs.items()})
     compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
                               options=dict(num_warps=num_warps, num_stages=num_stages))
@@ -60,10 +62,11 @@ def main() -> None:
     for D in (128, 64):
         for rotate in (True, False):
             for bm, bn, warps in ((64, 64, 4), (64, 64, 8), (128, 64, 8), (64, 128, 4)):
-                c = dict(GROUP=4, DTYPE=bf16, PS=64, HALF=D // 2, BLOCK_M=bm, BLOCK_N=bn, ROTATE=rotate, PREC="tf32",
-                         IDX64=False)
-                rows.append(("prefill", D, rotate, f"{bm}x{bn}, {warps} warps",
-                             resources(kt._prefill_kernel, c, warps, 2, args.arch)))
+                for tma in ((False, True) if bn == 64 else (False,)):
+                    c = dict(GROUP=4, DTYPE=bf16, PS=64, HALF=D // 2, BLOCK_M=bm, BLOCK_N=bn, ROTATE=rotate,
+                             PREC="tf32", IDX64=False, TMA=tma)
+                    rows.append(("prefill", D, rotate, f"{bm}x{bn}, {warps} warps{', TMA' if tma else ''}",
+                                 resources(kt._prefill_kernel, c, warps, 2, args.arch, (64, D) if tma else None)))
             for flat in (True, False):
                 c = dict(GROUP=4, DTYPE=bf16, PS=64, HALF=D // 2, BLOCK_H=16, BLOCK_N=64, ROTATE=rotate,
                          PREC="tf32", IDX64=False, FLAT=flat)

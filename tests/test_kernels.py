@@ -441,6 +441,13 @@ def test_gpu_prefill_decode(dtype, H, Hkv, D, PS):
             torch.cuda.synchronize()
             assert not torch.isnan(got).any()
             assert rel_err(got, want) < tol(dtype), (rotate, rel_err(got, want))
+            if PS == 64:  # whole pages through TMA
+                got = kernels.lazy_prefill(c.q, c.k_pages, c.v_pages, c.pages, c.cu, c.q_pos, c.inv_freq,
+                                           c.sm_scale, rotate=rotate, out=torch.full_like(c.q, float("nan")),
+                                           block_n=64, tma=True)
+                torch.cuda.synchronize()
+                assert not torch.isnan(got).any()
+                assert rel_err(got, want) < tol(dtype), ("tma", rotate, rel_err(got, want))
             # decode: last token of each request
             last = (c.cu[1:] - 1).long()
             qd = c.q[last].contiguous()
@@ -478,3 +485,18 @@ def test_gpu_rotate_copy(dtype):
     assert not torch.isnan(dk[d]).any()
     assert rel_err(dk[d], rk[d]) < tol(dtype)
     assert torch.equal(dv[d], rv[d])
+
+
+@pytest.mark.parametrize("name,kw", [KERNEL_CASES[i] for i in (0, 2, 4, 5)],
+                         ids=[KERNEL_CASES[i][0] for i in (0, 2, 4, 5)])
+@pytest.mark.parametrize("rotate", [True, False])
+def test_prefill_interp_tma(interp, name, kw, rotate):
+    """Pages loaded as whole TMA tiles (one page per key block)."""
+    c = make_case(**kw)
+    PS = c.k_pages.shape[1]
+    want = reference.lazy_prefill(c.q, c.k_pages, c.v_pages, c.pages, c.cu, c.q_pos, c.inv_freq, c.sm_scale,
+                                  rotate=rotate)
+    got = kernels.lazy_prefill(c.q, c.k_pages, c.v_pages, c.pages, c.cu, c.q_pos, c.inv_freq, c.sm_scale,
+                               rotate=rotate, out=torch.full_like(c.q, float("nan")), block_n=PS, tma=True)
+    assert not torch.isnan(got).any(), "unwritten output elements"
+    assert rel_err(got, want) < tol(c.q.dtype), rel_err(got, want)
