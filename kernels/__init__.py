@@ -45,6 +45,11 @@ API
     Flash-decoding: the key range is split across programs and merged by log-sum-exp. At head
     dim 128 the query is rotated page by page with cos/sin rows computed for every page entry
     by a small kernel first (``flat``); at 64, run by run as in prefill (measured faster each).
+    Each request's pages are split evenly over the programs, whatever the table's width.
+``decode_angles(pages, q_pos, inv_freq)``
+    The cos/sin table ``lazy_decode`` needs for one step (fp32 ``[B, max_pages, D]``), or None
+    where it needs none (head dim 64, the PyTorch reference). It depends on the step, not the
+    layer: compute it once and pass ``angles=`` to every layer's ``lazy_decode``.
 ``rotate_copy(k_pages, v_pages, src, dst, delta, inv_freq, dst_k=None, dst_v=None)``
     For each ``i``: page ``src[i]`` -> page ``dst[i]`` of ``dst_k``/``dst_v`` (default: the same
     pools, in place; then no dst page may also be a src page), keys re-rotated by
@@ -53,8 +58,10 @@ API
 
 Tuning (keyword-only, Triton path; the reference ignores them): ``lazy_prefill`` takes
 ``max_seqlen_q`` (skips a host sync), ``block_m``, ``block_n``, ``num_warps``, ``num_stages``
-and ``out``; ``lazy_decode`` takes ``num_splits``, ``flat`` (page by page, see above),
-``block_n`` (run-by-run walk only), ``num_warps``, ``num_stages`` and ``out``. Prefill walks
+``tma`` (Hopper TMA page loads; needs ``block_n == page_size`` and a contiguous pool) and
+``out``; ``lazy_decode`` takes ``num_splits``, ``flat`` (page by page, see above), ``angles``
+(see ``decode_angles``), ``block_n`` (run-by-run walk only), ``num_warps``, ``num_stages`` and
+``out``. Prefill walks
 a request's pages run by run (a run: consecutive pages with one delta), rotating the query
 once per run outside the inner key loop; see docs/benchmarks.md.
 Measured on the H200: page size 64 is fastest (docs/benchmarks.md, "## Kernels").
@@ -77,7 +84,7 @@ from torch import Tensor
 from . import reference
 from .pages import PageTable
 
-__all__ = ["PageTable", "lazy_prefill", "lazy_decode", "rotate_copy", "reference", "backend"]
+__all__ = ["PageTable", "lazy_prefill", "lazy_decode", "decode_angles", "rotate_copy", "reference", "backend"]
 
 _TRITON_MODULES: dict[bool, object] = {}
 
@@ -216,6 +223,11 @@ def lazy_decode(q: Tensor, k_pages: Tensor, v_pages: Tensor, pages: PageTable, q
     if q_pos.dtype != torch.int32 or q_pos.shape != (q.shape[0],):
         raise ValueError(f"q_pos must be int32 [B] = [{q.shape[0]}]")
     return _impl(q).lazy_decode(q, k_pages, v_pages, pages, q_pos, inv_freq, sm_scale, rotate, **tuning)
+
+
+def decode_angles(pages: PageTable, q_pos: Tensor, inv_freq: Tensor) -> Tensor | None:
+    """One decode step's cos/sin table for every layer's ``lazy_decode``; see the module docstring."""
+    return _impl(inv_freq).decode_angles(pages, q_pos, inv_freq)
 
 
 def rotate_copy(k_pages: Tensor, v_pages: Tensor, src: Tensor, dst: Tensor, delta: Tensor, inv_freq: Tensor,

@@ -5,11 +5,17 @@ compiled, once under the Triton interpreter), so use the public API, not this mo
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
 from .pages import PageTable
+
+# Integer arguments that change from call to call (the page table's width, the split count)
+# are marked do_not_specialize: Triton would otherwise compile another variant whenever one
+# became a multiple of 16, in the middle of a serving run.
 
 
 @triton.jit
@@ -42,8 +48,11 @@ def _page_rows(ids_row, start_row, delta_row, len_row, e, emask, row_tok, kvh,
 
 
 @triton.jit
-def _softmax_step(s, kvalid, kpos, qpos, qmin, v, acc, m_i, l_i, DTYPE: tl.constexpr, PREC: tl.constexpr):
-    """One key block of online softmax: scores s [M, N] (log2 units) -> updated acc, m_i, l_i."""
+def _softmax_step(s, kvalid, kpos, qpos, qmin, V, vrow, offs_d, v_tile, acc, m_i, l_i,
+                  DTYPE: tl.constexpr, PREC: tl.constexpr, V_LOADED: tl.constexpr):
+    """One key block of online softmax: scores s [M, N] (log2 units) -> updated acc, m_i, l_i.
+    Values come from v_tile if V_LOADED (TMA), else are loaded here, after the exponentials:
+    loading them before measured 6-16% slower in the pointer loops (docs/benchmarks.md)."""
     # mask only blocks that need it (padding rows, or keys after the earliest query)
     kmax = tl.max(tl.where(kvalid, kpos, 2147483647), axis=0)
     if kmax > qmin:
@@ -52,6 +61,10 @@ def _softmax_step(s, kvalid, kpos, qpos, qmin, v, acc, m_i, l_i, DTYPE: tl.const
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
+    if V_LOADED:
+        v = v_tile
+    else:
+        v = tl.load(V + vrow[:, None] + offs_d[None, :], mask=kvalid[:, None], other=0.0)
     acc = acc * alpha[:, None]
     acc = tl.dot(p.to(DTYPE), v, acc, input_precision=PREC)
     return acc, m_new, l_i
@@ -121,9 +134,10 @@ def _attn_runs(qptr, qmask, qpos, invf, acc, m_i, l_i,
                 # unmasked: every row address is inside the pool (rows past the run read page 0);
                 # their scores are replaced by -inf, so junk there is harmless
                 k = tl.load(K + krow[:, None] + offs_d[None, :])
-                v = tl.load(V + vrow[:, None] + offs_d[None, :], mask=kvalid[:, None], other=0.0)
+                v = 0
             s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
-            acc, m_i, l_i = _softmax_step(s, kvalid, kpos, qpos, qmin, v, acc, m_i, l_i, DTYPE, PREC)
+            acc, m_i, l_i = _softmax_step(s, kvalid, kpos, qpos, qmin, V, vrow, offs_d, v, acc, m_i, l_i,
+                                          DTYPE, PREC, TMA)
         p = r_end
     return acc, m_i, l_i
 
@@ -168,12 +182,12 @@ def _attn_pages(qptr, qmask, qpos, acc, m_i, l_i,
         else:
             k = tl.load(K + krow[:, None] + offs_d[None, :])
             s = tl.dot(q, tl.trans(k), input_precision=PREC)
-        v = tl.load(V + vrow[:, None] + offs_d[None, :], mask=kvalid[:, None], other=0.0)
-        acc, m_i, l_i = _softmax_step(s * qk_scale, kvalid, kpos, qpos, qmin, v, acc, m_i, l_i, DTYPE, PREC)
+        acc, m_i, l_i = _softmax_step(s * qk_scale, kvalid, kpos, qpos, qmin, V, vrow, offs_d, 0, acc, m_i, l_i,
+                                      DTYPE, PREC, False)
     return acc, m_i, l_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_tb", "max_pages"])
 def _decode_angles_kernel(DELTA, COUNT, QPOS, INVF, CS, stride_tb, max_pages,
                           HALF: tl.constexpr, BLOCK_P: tl.constexpr):
     """CS[b, p] = [cos | sin] of (q_pos[b] - delta[b, p]) * inv_freq: one row per page entry."""
@@ -188,7 +202,7 @@ def _decode_angles_kernel(DELTA, COUNT, QPOS, INVF, CS, stride_tb, max_pages,
     tl.store(CS + row + HALF, tl.sin(ang), mask=pmask[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_tb"])
 def _prefill_kernel(Q, K, V, O, IDS, DELTA, START, LEN, COUNT, CU, QPOS, INVF,
                     stride_qt, stride_qh, stride_kp, stride_kt, stride_kh,
                     stride_vp, stride_vt, stride_vh, stride_ot, stride_oh, stride_tb,
@@ -228,10 +242,10 @@ def _prefill_kernel(Q, K, V, O, IDS, DELTA, START, LEN, COUNT, CU, QPOS, INVF,
         tl.store(O + orow[:, None] + offs_d[None, :], o.to(O.dtype.element_ty), mask=mmask[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_tb", "num_splits", "max_pages"])
 def _decode_split_kernel(Q, K, V, OP, LSE, IDS, DELTA, START, LEN, COUNT, QPOS, INVF, CS,
                          stride_qb, stride_qh, stride_kp, stride_kt, stride_kh,
-                         stride_vp, stride_vt, stride_vh, stride_tb, num_heads, blk_per_split, num_splits,
+                         stride_vp, stride_vt, stride_vh, stride_tb, num_heads, num_splits,
                          max_pages, qk_scale,
                          GROUP: tl.constexpr, DTYPE: tl.constexpr, PS: tl.constexpr, HALF: tl.constexpr,
                          BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -248,7 +262,10 @@ def _decode_split_kernel(Q, K, V, OP, LSE, IDS, DELTA, START, LEN, COUNT, QPOS, 
     qpos = tl.load(QPOS + b + offs_g * 0)
     invf = tl.load(INVF + offs_h)
     n_pages = tl.load(COUNT + b)
+    # each request's own blocks split evenly (not the table's width: a CUDA graph captures one
+    # wide table for requests of any length)
     n_blk = tl.cdiv(n_pages * PS, BLOCK_N)
+    blk_per_split = tl.cdiv(n_blk, num_splits)
     lo = sp * blk_per_split
     hi = tl.minimum(lo + blk_per_split, n_blk)
     acc = tl.zeros([BLOCK_H, 2 * HALF], dtype=tl.float32)
@@ -277,7 +294,7 @@ def _decode_split_kernel(Q, K, V, OP, LSE, IDS, DELTA, START, LEN, COUNT, QPOS, 
     tl.store(LSE + prow, lse, mask=gmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_merge_kernel(OP, LSE, O, stride_ob, stride_oh, num_heads, num_splits,
                          D: tl.constexpr, SPLITS_P2: tl.constexpr):
     b = tl.program_id(0)
@@ -345,6 +362,15 @@ def _num_sms(device) -> int:
     return 4
 
 
+@functools.cache
+def _hopper_index(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def _is_hopper(device) -> bool:
+    return device.type == "cuda" and _hopper_index(device.index if device.index is not None else 0)
+
+
 def _prefill_block_n(ps: int, head_dim: int) -> int:
     # measured on the H200 (docs/benchmarks.md): 128-key blocks at head dim 64 (15% faster),
     # 64 at head dim 128 (128 is 13-50% slower)
@@ -353,7 +379,7 @@ def _prefill_block_n(ps: int, head_dim: int) -> int:
 
 def lazy_prefill(q, k_pages, v_pages, pages: PageTable, cu_seqlens_q, q_pos, inv_freq, sm_scale, rotate=True,
                  max_seqlen_q: int | None = None, block_m: int | None = None, block_n: int | None = None,
-                 num_warps: int | None = None, num_stages: int | None = None, tma: bool = False, out=None):
+                 num_warps: int | None = None, num_stages: int | None = None, tma: bool | None = None, out=None):
     total, H, D = q.shape
     _, PS, Hkv, _ = k_pages.shape
     B = pages.ids.shape[0]
@@ -363,8 +389,11 @@ def lazy_prefill(q, k_pages, v_pages, pages: PageTable, cu_seqlens_q, q_pos, inv
         return o
     if max_seqlen_q is None:
         max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max().item())
-    if block_m is None:  # 64 x 64 tiles, 4 warps measured best on the H200 (docs/benchmarks.md)
-        block_m = max(16, min(64, triton.next_power_of_2(max(1, max_seqlen_q))))
+    if block_m is None:
+        # 64 x 64 tiles, 4 warps measured best on the H200 (docs/benchmarks.md); 64 rows even
+        # for shorter queries: a tile size that followed the query length compiled a new
+        # kernel in the middle of a serving run (a 1-2 s stall in bench_e2e's open loop)
+        block_m = 64
     block_n = max(block_n or _prefill_block_n(PS, D), PS)
     n_tiles = max(1, triton.cdiv(max_seqlen_q, block_m))
     if num_warps is None:
@@ -373,8 +402,11 @@ def lazy_prefill(q, k_pages, v_pages, pages: PageTable, cu_seqlens_q, q_pos, inv
         num_stages = 2
     grid = (H, B, n_tiles)
     kk, vv = k_pages, v_pages
+    tma_fits = block_n == PS and all(t.stride(0) == PS * Hkv * D for t in (k_pages, v_pages))
+    if tma is None:  # measured at head dim 128 only (docs/benchmarks.md): slower at 64
+        tma = tma_fits and D == 128 and _is_hopper(q.device)
     if tma:  # Hopper TMA loads of whole pages: one page per key block, pages contiguous
-        if block_n != PS or any(t.stride(0) != PS * Hkv * D for t in (k_pages, v_pages)):
+        if not tma_fits:
             raise ValueError("tma needs block_n == page_size and contiguous pools")
         from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -391,17 +423,41 @@ def lazy_prefill(q, k_pages, v_pages, pages: PageTable, cu_seqlens_q, q_pos, inv
     return o
 
 
+def _flat_decode(head_dim: int) -> bool:
+    # page by page at head dim 128, run by run at 64: each measured faster (docs/benchmarks.md)
+    return head_dim == 128
+
+
+def decode_angles(pages: PageTable, q_pos, inv_freq):
+    """The flat decode loop's [cos | sin] row per page entry, [B, max_pages, D] fp32, or None at
+    head dims that walk run by run (64). Depends only on the step: compute once for all layers."""
+    D = 2 * inv_freq.shape[0]
+    return _angles_table(pages, q_pos, inv_freq) if _flat_decode(D) else None
+
+
+def _angles_table(pages: PageTable, q_pos, inv_freq):
+    D = 2 * inv_freq.shape[0]
+    B, max_pages = pages.ids.shape
+    scratch = torch.full if POISON_SCRATCH else (lambda shape, _v, **kw: torch.empty(shape, **kw))
+    cs = scratch((B, max_pages, D), float("nan"), device=inv_freq.device, dtype=torch.float32)
+    if B and max_pages:
+        _decode_angles_kernel[(B, triton.cdiv(max_pages, 32))](
+            pages.delta, pages.count, q_pos, inv_freq, cs, pages.delta.stride(0), max_pages,
+            HALF=D // 2, BLOCK_P=32, num_warps=4)
+    return cs
+
+
 def lazy_decode(q, k_pages, v_pages, pages: PageTable, q_pos, inv_freq, sm_scale, rotate=True,
                 num_splits: int | None = None, block_n: int | None = None, num_warps: int | None = None,
-                num_stages: int | None = None, flat: bool | None = None, out=None):
+                num_stages: int | None = None, flat: bool | None = None, angles=None, out=None):
     B, H, D = q.shape
     _, PS, Hkv, _ = k_pages.shape
     G = H // Hkv
     o = torch.empty_like(q) if out is None else out
     if B == 0:
         return o
-    if flat is None:  # page by page at head dim 128, run by run at 64: measured, docs/benchmarks.md
-        flat = D == 128
+    if flat is None:
+        flat = _flat_decode(D)
     block_n = PS if flat else max(block_n or 64, PS)
     max_pages = pages.ids.shape[1]
     max_blk = max(1, triton.cdiv(max_pages * PS, block_n))  # upper bound, no host sync
@@ -410,28 +466,27 @@ def lazy_decode(q, k_pages, v_pages, pages: PageTable, q_pos, inv_freq, sm_scale
         # 32 x 8K (300 vs 338 us), 5% behind at 8 x 32K (351 vs 332 us)
         want = triton.cdiv(4 * _num_sms(q.device), B * Hkv)
         num_splits = max(1, min(want, max_blk, 64))
-    blk_per_split = triton.cdiv(max_blk, num_splits)
-    num_splits = triton.cdiv(max_blk, blk_per_split)
     scratch = torch.full if POISON_SCRATCH else (lambda shape, _v, **kw: torch.empty(shape, **kw))
     op = scratch((B, H, num_splits, D), float("nan"), device=q.device, dtype=torch.float32)
     lse = scratch((B, H, num_splits), float("nan"), device=q.device, dtype=torch.float32)
     cs = op  # unused unless the flat loop rotates
     if flat and rotate:
-        cs = scratch((B, max_pages, D), float("nan"), device=q.device, dtype=torch.float32)
-        _decode_angles_kernel[(B, triton.cdiv(max_pages, 32))](
-            pages.delta, pages.count, q_pos, inv_freq, cs, pages.delta.stride(0), max_pages,
-            HALF=D // 2, BLOCK_P=32, num_warps=4)
+        if angles is None:
+            angles = _angles_table(pages, q_pos, inv_freq)
+        if tuple(angles.shape) != (B, max_pages, D):
+            raise ValueError(f"angles must be decode_angles(...) of this step: [{B}, {max_pages}, {D}] fp32")
+        cs = angles
     block_h = max(16, triton.next_power_of_2(G))
     _decode_split_kernel[(B, Hkv, num_splits)](
         q, k_pages, v_pages, op, lse, pages.ids, pages.delta, pages.start, pages.length, pages.count, q_pos, inv_freq,
         cs, q.stride(0), q.stride(1), k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
-        v_pages.stride(0), v_pages.stride(1), v_pages.stride(2), pages.ids.stride(0), H, blk_per_split, num_splits,
+        v_pages.stride(0), v_pages.stride(1), v_pages.stride(2), pages.ids.stride(0), H, num_splits,
         max_pages, float(sm_scale) * _LOG2E,
         GROUP=G, DTYPE=_TL_DTYPE[q.dtype], PS=PS, HALF=D // 2, BLOCK_H=block_h, BLOCK_N=block_n,
         ROTATE=bool(rotate), PREC=_prec(q.dtype), IDX64=_idx64(k_pages, v_pages), FLAT=bool(flat),
         num_warps=num_warps or (8 if D == 64 else 4), num_stages=num_stages or 2)
-    # the split count is a runtime argument (it follows the batch size; a constexpr would
-    # compile a kernel per batch size); the merge rounds it up to a power of two
+    # the split count is a runtime argument, not specialised (it follows the batch size; a
+    # new value must not compile a new kernel mid-run); the merge rounds it up to a power of two
     _decode_merge_kernel[(B, H)](op, lse, o, o.stride(0), o.stride(1), H, num_splits, D=D,
                                  SPLITS_P2=triton.next_power_of_2(num_splits), num_warps=4)
     return o

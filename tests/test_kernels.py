@@ -349,6 +349,31 @@ def test_decode_interp(interp, name, kw, splits, flat):
         assert rel_err(got, want) < tol(c.q.dtype), rel_err(got, want)
 
 
+@pytest.mark.parametrize("D", [64, 128])
+def test_decode_interp_wide_table_shared_angles(interp, D):
+    """As a CUDA graph runs it: a page table far wider than any request (junk past each count),
+    the split over each request's own pages, the cos/sin table computed once and passed in."""
+    c = make_case(seed=43, H=4, Hkv=2, D=D, dtype=torch.float16, q_lens=[1, 1, 1])
+    g = torch.Generator().manual_seed(44)
+    wide = 5 * c.pages.max_pages
+
+    def widen(t, hi):
+        out = torch.randint(0, hi, (t.shape[0], wide), generator=g, dtype=torch.int32)
+        out[:, : t.shape[1]] = t
+        return out
+
+    n_pages = c.k_pages.shape[0]
+    pages = PageTable(widen(c.pages.ids, n_pages), widen(c.pages.delta, 999), widen(c.pages.start, 999),
+                      widen(c.pages.length, c.k_pages.shape[1]), c.pages.count)
+    want = reference.lazy_decode(c.q, c.k_pages, c.v_pages, c.pages, c.q_pos, c.inv_freq, c.sm_scale)
+    angles = kernels.decode_angles(pages, c.q_pos, c.inv_freq)
+    assert (angles is None) == (D == 64)  # run by run at 64: no table
+    got = kernels.lazy_decode(c.q, c.k_pages, c.v_pages, pages, c.q_pos, c.inv_freq, c.sm_scale,
+                              angles=angles, num_splits=4, out=torch.full_like(c.q, float("nan")))
+    assert not torch.isnan(got).any(), "unwritten output elements"
+    assert rel_err(got, want) < tol(c.q.dtype), rel_err(got, want)
+
+
 def test_empty_request_interp(interp):
     """A request with no pages at all (count 0) gets zeros; the others are unaffected."""
     c = make_case(seed=41, H=4, Hkv=2, dtype=torch.float16)
