@@ -160,7 +160,8 @@ def answer_file(cfg: AnswerConfig, report: Callable[[str], None] = print, progre
 
     bar = tqdm(desc=f"answer ({cfg.mode})", unit="q", disable=not progress, dynamic_ncols=True)
     engine = Engine(loaded, store, cfg.mode, cfg.cache_gb * 2**30, cfg.batch_size,
-                    Sampling(cfg.temperature, cfg.top_p, cfg.seed), cfg.host_cache_gb * 2**30)
+                    Sampling(cfg.temperature, cfg.top_p, cfg.seed), cfg.host_cache_gb * 2**30,
+                    cuda_graphs=cfg.cuda_graphs)
     t0 = time.perf_counter()
     try:
         engine.run(requests(), finish, lookahead=cfg.prefetch)

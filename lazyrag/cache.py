@@ -9,7 +9,7 @@ GPU copies go on their own CUDA stream.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
@@ -79,18 +79,59 @@ class _HostTier:
         self.used += size
 
 
+class PinnedStaging:
+    """Pinned host buffers that chunk reads land in on their way to the GPU, recycled.
+
+    Pinning memory is slow (about 0.2 s per 64 MB on the H200 machine; a profile of
+    scripts/bench_e2e.py found chunk loads waiting on it for most of a run), so buffers
+    are made once per process and handed from cache to cache. A buffer is written again
+    only after its last copy to the GPU has run.
+    """
+
+    _spare: dict[int, list[torch.Tensor]] = {}  # process-wide, by size in bytes
+
+    def __init__(self, nbytes: int, count: int):
+        spare = self._spare.setdefault(nbytes, [])
+        self.nbytes = nbytes
+        self.free: deque = deque()
+        for _ in range(count):
+            buf = spare.pop() if spare else torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+            self.free.append((buf, None))
+
+    def take(self) -> torch.Tensor | None:
+        if not self.free:
+            return None
+        buf, copied = self.free.popleft()
+        if copied is not None:
+            copied.synchronize()
+        return buf
+
+    def give(self, buf: torch.Tensor, copied: torch.cuda.Event | None = None) -> None:
+        self.free.append((buf, copied))
+
+    def close(self) -> None:
+        while self.free:
+            self._spare[self.nbytes].append(self.take())
+
+
 class ChunkCache:
     def __init__(self, store: Store, pool: PagePool, host_cache_bytes: float = 0, read_threads: int = 4,
-                 max_prefetch: int = 32):
+                 max_prefetch: int = 32, staging_bytes: int = 4 << 30):
         self.store, self.pool = store, pool
         self.resident: OrderedDict[str, Resident] = OrderedDict()  # LRU order: oldest first
         self.counters = CacheCounters(pool_pages=pool.num_pages, page_bytes=pool.bytes_per_page)
         self.host = _HostTier(int(host_cache_bytes))
         self.pinned = pool.kv.is_cuda
         self.reader = ThreadPoolExecutor(read_threads, thread_name_prefix="lazyrag-read")
-        self.pending: dict[str, Future] = {}
+        self.pending: dict[str, tuple[Future, torch.Tensor | None]] = {}
         self.max_prefetch = max_prefetch
         self.stream = torch.cuda.Stream(pool.kv.device) if pool.kv.is_cuda else None
+        s = store.settings
+        self.row_bytes = s.num_layers * 2 * s.num_kv_heads * s.head_dim * pool.kv.element_size()
+        self.staging = None
+        chunk_bytes = store.max_padded_length() * self.row_bytes
+        if self.pinned and chunk_bytes:  # reads deeper than the buffers wait for one to come back
+            self.staging = PinnedStaging(chunk_bytes, max(2, min(2 * read_threads, staging_bytes // chunk_bytes)))
 
     # -- requests -------------------------------------------------------------------
     def acquire(self, info: ChunkInfo) -> Resident:
@@ -150,28 +191,46 @@ class ChunkCache:
             cid = info.chunk_id
             if cid in self.resident or cid in self.pending or cid in self.host.entries:  # a check, not a use: no LRU touch
                 continue
-            self.pending[cid] = self.reader.submit(self._read, info)
+            buf = self._staging_buffer(info)
+            if buf is None and self.staging is not None:
+                return  # every buffer holds a chunk not yet loaded
+            self.pending[cid] = (self.reader.submit(self._read, info, buf), buf)
 
-    def _read(self, info: ChunkInfo) -> torch.Tensor:
+    def _staging_buffer(self, info: ChunkInfo) -> torch.Tensor | None:
+        if self.staging is None or info.padded_length * self.row_bytes > self.staging.nbytes:
+            return None
+        return self.staging.take()
+
+    def _read(self, info: ChunkInfo, buf: torch.Tensor | None) -> torch.Tensor:
         s = self.store.settings
         shape = (info.padded_length, s.num_layers, 2, s.num_kv_heads, s.head_dim)
-        out = torch.empty(shape, dtype=self.pool.kv.dtype, pin_memory=self.pinned)
+        dtype = self.pool.kv.dtype
+        if buf is None:  # no staging buffer free (or none fits): pageable memory, a slower copy
+            out = torch.empty(shape, dtype=dtype)
+        else:
+            out = buf[: info.padded_length * self.row_bytes].view(dtype).view(shape)
         return self.store.read_kv(info, out=out)
 
-    def _host_copy(self, info: ChunkInfo) -> torch.Tensor:
+    def _host_copy(self, info: ChunkInfo) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The chunk's KV on the host, and the staging buffer holding it (to give back)."""
         cid = info.chunk_id
         host = self.host.get(cid)
         if host is not None:
             self.counters.host_hits += 1
-            return host
-        future = self.pending.pop(cid, None)
-        host = future.result() if future is not None else self._read(info)
+            return host, None
+        future, buf = self.pending.pop(cid, (None, None))
+        if future is None:
+            buf = self._staging_buffer(info)
+            host = self._read(info, buf)
+        else:
+            host = future.result()
         self.counters.bytes_read += host.numel() * host.element_size()
-        self.host.put(cid, host)
-        return host
+        if self.host.budget:  # the tier keeps its own copy: the staging buffer is reused
+            self.host.put(cid, host.clone() if buf is not None else host)
+        return host, buf
 
     def _load(self, info: ChunkInfo, pages: list[int]) -> None:
-        host = self._host_copy(info)
+        host, buf = self._host_copy(info)
         if self.stream is None:
             self.pool.write_tokens(pages, host)
         else:
@@ -180,7 +239,17 @@ class ChunkCache:
             with torch.cuda.stream(self.stream):
                 self.pool.write_tokens(pages, host)
             torch.cuda.current_stream().wait_stream(self.stream)
+        if buf is not None:
+            copied = torch.cuda.Event()
+            copied.record(self.stream)
+            self.staging.give(buf, copied)
         self.counters.bytes_to_gpu += host.numel() * host.element_size()
 
     def close(self) -> None:
         self.reader.shutdown(wait=True, cancel_futures=True)
+        if self.staging is not None:
+            for _, buf in self.pending.values():
+                if buf is not None:
+                    self.staging.give(buf)
+            self.pending.clear()
+            self.staging.close()

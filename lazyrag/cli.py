@@ -104,6 +104,9 @@ def answer(
     model: Optional[str] = typer.Option(None, help="Load the model from here instead of the name the store "
                                                    "records (it must have the same fingerprint)."),
     trust_remote_code: bool = typer.Option(False, help="Let transformers run code shipped with the model."),
+    cuda_graphs: bool = typer.Option(True, "--cuda-graphs/--eager",
+                                     help="On a GPU, replay decode steps from CUDA graphs captured at start "
+                                          "(--eager launches every kernel from Python: slower, for debugging)."),
     as_json: bool = JsonOpt,
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
 ):
@@ -115,7 +118,7 @@ def answer(
     cfg = config.AnswerConfig(queries=queries, store=store, out=out_path, mode=mode, top_k=top_k,
                               max_new_tokens=max_new_tokens, cache_gb=cache_gb, host_cache_gb=host_cache_gb,
                               batch_size=batch_size, device=device, temperature=temperature, top_p=top_p,
-                              seed=seed, trust_remote_code=trust_remote_code)
+                              seed=seed, trust_remote_code=trust_remote_code, cuda_graphs=cuda_graphs)
     try:
         result = answer_file(cfg, report=lambda m: err.print(f"[yellow]bad input:[/] {m}", highlight=False),
                              progress=not (as_json or quiet), model_name=model)

@@ -40,6 +40,7 @@ class AnswerConfig:
     top_p: float = 1.0
     seed: int = 0
     prefetch: int = 64            # queries to look ahead when prefetching chunks
+    cuda_graphs: bool = True      # replay decode steps from CUDA graphs (GPU only)
     trust_remote_code: bool = False
 
 

@@ -11,7 +11,9 @@
 All three build the same token ids: [preamble][chunk]...[chunk][question], and the
 same logical positions. The scheduler admits requests while pages are free, prefills
 the newly admitted ones together, then decodes every running request one token per
-step; a request leaves as soon as it ends, and the next one takes its place.
+step; a request leaves as soon as it ends, and the next one takes its place. On a GPU
+the decode step is replayed from a CUDA graph (lazyrag/cuda_graphs.py); prefill runs
+eagerly, its lengths vary too much to capture.
 """
 
 from __future__ import annotations
@@ -21,13 +23,15 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator
 
+import numpy as np
 import torch
 
 import kernels
 from lazyrag.cache import ChunkCache, Resident
 from lazyrag.config import MODES
 from lazyrag.models import LoadedModel
-from lazyrag.paged import OutOfPages, PagedAttention, PagePool, page_rows
+from lazyrag.cuda_graphs import DecodeGraphs
+from lazyrag.paged import Feed, OutOfPages, PagedAttention, PagePool, StepInputs, page_rows
 from lazyrag.store import ChunkInfo, Store
 
 @dataclass
@@ -47,7 +51,8 @@ class Request:
     _entries: list[Resident] = field(default_factory=list)
     _own_pages: list[int] = field(default_factory=list)      # prompt (question) and answer tokens
     _copy_pages: list[int] = field(default_factory=list)     # block mode's private chunk copies
-    _context: torch.Tensor | None = None                    # page rows before the request's own tokens
+    _rows: np.ndarray | None = None                          # page rows: context, then its own pages
+    _n_context: int = 0                                       # rows before its own tokens
     _own_start: int = 0                                       # logical position of its first own token
     _fed: int = 0                                             # own tokens whose K/V are in the pool
 
@@ -69,7 +74,8 @@ class Sampling:
 
 class Engine:
     def __init__(self, loaded: LoadedModel, store: Store, mode: str, cache_bytes: float, batch_size: int,
-                 sampling: Sampling = Sampling(), host_cache_bytes: float = 0, stop_at_eos: bool = True):
+                 sampling: Sampling = Sampling(), host_cache_bytes: float = 0, stop_at_eos: bool = True,
+                 cuda_graphs: bool = True):
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
         s = store.settings
@@ -89,7 +95,13 @@ class Engine:
         if mode != "full":  # one shared copy of the preamble, at positions 0..P-1, never evicted
             pages = self.cache.alloc(self.pool.pages_for(self.P))
             self.preamble = page_rows(pages, 0, self.P, 0, self.page_size)
-            self._forward([self.preamble_ids], [self.preamble[:0]], [self.preamble], [0], lazy=False)
+            self._forward([Feed(self.preamble, 0, 0, 0, self.preamble_ids)], lazy=False)
+        self.graphs = None
+        if cuda_graphs and self.device.type == "cuda":
+            pad_slot = self.cache.alloc(1)[0] * self.page_size  # padding rows' K/V land here
+            max_pages = min(self.pool.num_pages, self.pool.pages_for(loaded.cfg.max_position_embeddings))
+            self.graphs = DecodeGraphs(loaded.model, self.pool, loaded.model.inv_freq, self.sm_scale,
+                                       mode == "lazy", batch_size, max_pages, pad_slot)
 
     # -- the loop -------------------------------------------------------------------
     def run(self, requests: Iterable[Request], on_finish: Callable[[Request], None],
@@ -186,7 +198,8 @@ class Engine:
         if self.mode == "full":
             pos = 0
         r._own_pages = self.cache.alloc(self.pool.pages_for(self._own_len(r)))
-        r._context, r._own_start = torch.cat(context), pos
+        own = page_rows(r._own_pages, pos, len(r._own_pages) * ps, 0, ps)  # whole pages: see paged.Feed
+        r._rows, r._n_context, r._own_start = np.concatenate(context + [own]), sum(map(len, context)), pos
         if copies:
             self._rotate_copy(copies)
             for e in r._entries:  # the copy is all the request needs now
@@ -204,8 +217,8 @@ class Engine:
                             (layer_base + dst).flatten().to(self.device),
                             delta.repeat(self.pool.num_layers).to(self.device), self.loaded.model.inv_freq)
 
-    def _own_rows(self, r: Request, tokens: int) -> torch.Tensor:
-        return page_rows(r._own_pages, r._own_start, tokens, 0, self.page_size)
+    def _feed(self, r: Request, tokens: list[int]) -> Feed:
+        return Feed(r._rows, r._n_context, r._own_start, r._fed, tokens)
 
     def _prompt_own_ids(self, r: Request) -> list[int]:
         if self.mode == "full":
@@ -214,33 +227,29 @@ class Engine:
 
     def _prefill(self, batch: list[Request]) -> torch.Tensor:
         """Feed the placed requests' prompt tokens; the logits of each one's last token."""
-        ids = [self._prompt_own_ids(r) for r in batch]
-        own = [self._own_rows(r, len(t)) for r, t in zip(batch, ids)]
-        logits = self._forward(ids, [r._context for r in batch], own, [0] * len(batch), lazy=self.mode == "lazy")
-        for r, t in zip(batch, ids):
-            r._fed = len(t)
+        feeds = [self._feed(r, self._prompt_own_ids(r)) for r in batch]
+        logits = self._forward(feeds, lazy=self.mode == "lazy")
+        for r, f in zip(batch, feeds):
+            r._fed = len(f.tokens)
         return logits
 
     def _decode(self, running: list[Request]) -> torch.Tensor:
-        ids = [[r.generated[-1]] for r in running]
-        own = [self._own_rows(r, r._fed + 1) for r in running]
-        logits = self._forward(ids, [r._context for r in running], own, [r._fed for r in running],
-                               lazy=self.mode == "lazy")
+        feeds = [self._feed(r, [r.generated[-1]]) for r in running]
+        logits = self.graphs.run(feeds) if self.graphs else None
+        if logits is None:
+            logits = self._forward(feeds, lazy=self.mode == "lazy")
         for r in running:
             r._fed += 1
-        return logits
+        return logits[:, : self.vocab]
 
-    def _forward(self, token_lists, contexts, owns, first, lazy: bool, select: torch.Tensor | None = None
-                 ) -> torch.Tensor:
-        """One step: new tokens token_lists[b] go to own slots from index first[b]. Returns the
-        logits of each list's last token, or of the packed token indices in `select`."""
-        positions, attention = PagedAttention.for_step(self.pool, token_lists, contexts, owns, first,
-                                                       self.loaded.model.inv_freq, self.sm_scale, lazy)
-        tokens = torch.tensor([i for t in token_lists for i in t], device=self.device)
-        hidden = self.loaded.model(tokens, positions.to(self.device), attention)
-        if select is None:
-            select = torch.tensor([len(t) for t in token_lists]).cumsum(0) - 1
-        return self.loaded.model.logits(hidden[select.to(self.device)])[:, : self.vocab]
+    def _forward(self, feeds: list[Feed], lazy: bool, select: torch.Tensor | None = None) -> torch.Tensor:
+        """One eager step. Returns the logits of each feed's last token, or of the packed token
+        indices in `select`."""
+        step = StepInputs.upload(feeds, self.page_size, self.device)
+        attention = PagedAttention(self.pool, step, self.loaded.model.inv_freq, self.sm_scale, lazy)
+        hidden = self.loaded.model(step.tokens, step.positions, attention)
+        rows = step.cu_seqlens[1:] - 1 if select is None else select.to(self.device)
+        return self.loaded.model.logits(hidden[rows])[:, : self.vocab]
 
     def continuation_logprobs(self, requests: list[Request], continuations: list[list[int]]) -> list[float]:
         """Mean log-probability per token of each continuation after its request's prompt, by
@@ -260,13 +269,12 @@ class Engine:
                 raise OutOfPages(f"request {todo[0][0].id} does not fit in the cache even alone")
             todo = todo[len(batch):]
             ids = [self._prompt_own_ids(r) + cont for r, cont in zip(batch, conts)]
-            owns = [self._own_rows(r, len(t)) for r, t in zip(batch, ids)]
             starts = torch.tensor([0] + [len(t) for t in ids]).cumsum(0)
             # the logits at position j predict token j + 1: those before each continuation token
             select = torch.cat([torch.arange(s + len(t) - len(c) - 1, s + len(t) - 1)
                                 for s, t, c in zip(starts.tolist(), ids, conts)])
-            logits = self._forward(ids, [r._context for r in batch], owns, [0] * len(batch),
-                                   lazy=self.mode == "lazy", select=select)
+            logits = self._forward([self._feed(r, t) for r, t in zip(batch, ids)], lazy=self.mode == "lazy",
+                                   select=select)
             target = torch.tensor([t for c in conts for t in c], device=logits.device)
             lp = torch.log_softmax(logits.float(), -1).gather(1, target[:, None])[:, 0].cpu()
             for c, part in zip(conts, lp.split([len(c) for c in conts])):

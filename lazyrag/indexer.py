@@ -14,12 +14,13 @@ import threading
 import time
 from dataclasses import asdict, dataclass
 
+import numpy as np
 import torch
 
 from lazyrag.config import IndexConfig
 from lazyrag.corpus import CorpusStats, chunk_document, read_corpus
 from lazyrag.models import LoadedModel, load_model
-from lazyrag.paged import PagedAttention, PagePool, page_rows
+from lazyrag.paged import Feed, PagedAttention, PagePool, StepInputs, page_rows
 from lazyrag.prompt import PromptFormat
 from lazyrag.store import NewChunk, Store, StoreSettings, chunk_id_for, kv_to_storage
 
@@ -67,21 +68,21 @@ class ChunkEncoder:
                              loaded.dtype, loaded.device)
         self.sm_scale = cfg.head_dim ** -0.5
         self.preamble = page_rows(self.pool.alloc(pre_pages), 0, self.preamble_len, 0, page_size)
-        self._forward([preamble_ids], [self.preamble[:0]], [self.preamble])
+        self._forward([Feed(self.preamble, 0, 0, 0, preamble_ids)])
 
-    def _forward(self, token_lists: list[list[int]], context: list[torch.Tensor], own: list[torch.Tensor]) -> None:
-        positions, attention = PagedAttention.for_step(self.pool, token_lists, context, own, [0] * len(own),
-                                                       self.loaded.model.inv_freq, self.sm_scale, lazy=True)
-        tokens = torch.tensor([i for t in token_lists for i in t], device=self.loaded.device)
-        self.loaded.model(tokens, positions.to(self.loaded.device), attention)
+    def _forward(self, feeds: list[Feed]) -> None:
+        step = StepInputs.upload(feeds, self.pool.page_size, self.loaded.device)
+        attention = PagedAttention(self.pool, step, self.loaded.model.inv_freq, self.sm_scale, lazy=True)
+        self.loaded.model(step.tokens, step.positions, attention)
 
     def encode(self, token_lists: list[list[int]]) -> torch.Tensor:
         """KV of each chunk, pages concatenated: [sum of padded lengths, layers, 2, kv_heads, head_dim]."""
         ps = self.pool.page_size
         pages = [self.pool.alloc(self.pool.pages_for(len(t))) for t in token_lists]
         try:
-            own = [page_rows(p, self.preamble_len, len(t), 0, ps) for p, t in zip(pages, token_lists)]
-            self._forward(token_lists, [self.preamble] * len(token_lists), own)
+            n = len(self.preamble)
+            self._forward([Feed(np.concatenate([self.preamble, page_rows(p, self.preamble_len, len(t), 0, ps)]),
+                                n, self.preamble_len, 0, t) for p, t in zip(pages, token_lists)])
             kv = self.pool.read_tokens([p for ps_ in pages for p in ps_])
             # zero each chunk's page padding: reused pages hold old tokens, and the store should
             # not depend on what ran before

@@ -2,11 +2,13 @@
 
 `PagePool` is the memory: one tensor [2 (k/v), layers, num_pages, page_size,
 kv_heads, head_dim] and a free list (k/v outermost, so all layers' key pages form
-one [layers * num_pages, ...] array: block mode copies every layer in one launch). A request sees the pool through page rows
-(see `page_rows`): which physical page, its rotation shift `delta`, the stored
-position of its first token and how many of its tokens are valid. `PagedAttention` is the
-callable the model's layers call: it writes the step's new K/V into their slots,
-then runs the kernels over each request's page list.
+one [layers * num_pages, ...] array: block mode copies every layer in one launch).
+A request sees the pool through page rows (see `page_rows`): which physical page, its
+rotation shift `delta`, the stored position of its first token and how many of its
+tokens are valid. A step's inputs (tokens, positions, K/V slots, page table) are packed
+on the host into one int32 buffer (`pack_step`, `StepLayout`) and reach the GPU in one
+copy. `PagedAttention` is the callable the model's layers call: it writes the step's new
+K/V into their slots, then runs the kernels over each request's page list.
 
 Every mode uses this one path; they differ only in the page lists they build and
 in whether the kernel rotates queries per page (`lazy`) or the keys already sit
@@ -15,6 +17,9 @@ at their logical positions (`block`, `full`).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 
 import kernels
@@ -84,80 +89,177 @@ class PagePool:
         return x.permute(2, 3, 1, 0, 4, 5).reshape(len(pages) * self.page_size, x.shape[1], 2, *x.shape[4:])
 
 
-# A request's view of the pool is a tensor of page rows [n, 4] int32, in logical order:
+# A request's view of the pool is an array of page rows [n, 4] int32, in logical order:
 PAGE, DELTA, START, LENGTH = range(4)
 # page: physical page; delta: logical - stored position; start: stored position of the
 # page's first token; length: valid tokens in the page.
 
 
-def page_rows(pages: list[int], start: int, tokens: int, delta: int, page_size: int) -> torch.Tensor:
+def page_rows(pages: list[int], start: int, tokens: int, delta: int, page_size: int) -> np.ndarray:
     """Rows for a run of `tokens` tokens stored from position `start` in consecutive pages."""
     n = -(-tokens // page_size)
-    i = torch.arange(n, dtype=torch.int32)
-    rows = torch.empty(n, 4, dtype=torch.int32)
-    rows[:, PAGE] = torch.tensor(pages[:n], dtype=torch.int32)
+    i = np.arange(n, dtype=np.int32)
+    rows = np.empty((n, 4), dtype=np.int32)
+    rows[:, PAGE] = pages[:n]
     rows[:, DELTA] = delta
     rows[:, START] = start + i * page_size
-    rows[:, LENGTH] = (tokens - i * page_size).clamp(max=page_size)
+    rows[:, LENGTH] = np.minimum(tokens - i * page_size, page_size)
     return rows
 
 
-def page_table(requests: list[torch.Tensor], device: torch.device) -> kernels.PageTable:
-    count = torch.tensor([len(r) for r in requests], dtype=torch.int32)
-    table = torch.nn.utils.rnn.pad_sequence(requests, batch_first=True).to(device)  # [B, W, 4]
-    return kernels.PageTable(ids=table[..., PAGE].contiguous(), delta=table[..., DELTA].contiguous(),
-                             start=table[..., START].contiguous(), length=table[..., LENGTH].contiguous(),
-                             count=count.to(device))
+@dataclass
+class Feed:
+    """What one request feeds in a step: its own tokens first .. first + len(tokens) - 1.
+
+    rows: its page rows, context first (n_context of them), then the pages of its own
+    tokens (prompt and answer), which start at logical position own_start. Own rows may
+    claim whole pages: slots past the tokens fed so far sit at later positions, which the
+    causal rule hides, so one array serves every step of the request.
+    """
+    rows: np.ndarray
+    n_context: int
+    own_start: int
+    first: int
+    tokens: list[int]
 
 
-def slots_for(rows: torch.Tensor, first: int, n: int, page_size: int) -> torch.Tensor:
-    """Flat pool slots (page * page_size + offset) of tokens first..first+n-1 of a run of rows."""
-    i = torch.arange(first, first + n)
-    return rows[i // page_size, PAGE].long() * page_size + i % page_size
+ALIGN = 4  # int32s: every field starts 16-byte aligned
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+@dataclass(frozen=True)
+class StepLayout:
+    """Where each input of a step sits in one flat int32 buffer, so the host packs them all
+    and they reach the GPU in one copy: the page table [4, batch, width] (PAGE, DELTA,
+    START, LENGTH planes; rows `row` apart), then count [batch], cu_seqlens [batch + 1],
+    tokens, positions and slots [tokens].
+
+    Every field and table row starts 16-byte aligned: Triton compiles a kernel variant per
+    pointer alignment, and fields whose alignment followed the batch size and width compiled
+    new variants in the middle of a serving run (a 1-2 s stall in bench_e2e's open loop)."""
+    batch: int
+    width: int
+    tokens: int
+
+    @property
+    def row(self) -> int:
+        return _aligned(self.width)
+
+    @property
+    def table_size(self) -> int:
+        return 4 * self.batch * self.row
+
+    @property
+    def size(self) -> int:
+        B, T = self.batch, self.tokens
+        return self.table_size + sum(_aligned(n) for n in (B, B + 1, T, T, T))
+
+    def views(self, buf):
+        """(table [4, batch, width], tail, count, cu, tokens, positions, slots) views of buf."""
+        B, T = self.batch, self.tokens
+        table = buf[: self.table_size].reshape(4, B, self.row)[:, :, : self.width]
+        tail = buf[self.table_size: self.size]
+        count, cu, tokens, positions, slots = (tail[a:b] for a, b in _spans((B, B + 1, T, T, T)))
+        return table, tail, count, cu, tokens, positions, slots
+
+
+def _spans(sizes):
+    at = 0
+    for n in sizes:
+        yield at, at + n
+        at += _aligned(n)
+
+
+def pack_step(feeds: list[Feed], page_size: int, batch: int | None = None, pad_slot: int = 0,
+              pin: bool = False) -> tuple[torch.Tensor, StepLayout]:
+    """One step's inputs in one int32 host buffer (pinned if `pin`). `batch` > len(feeds) pads
+    with one-token rows that read no pages and write their K/V to `pad_slot` (CUDA graphs
+    run a fixed batch)."""
+    B = batch or len(feeds)
+    counts = [f.n_context + -(-(f.first + len(f.tokens)) // page_size) for f in feeds]
+    T = sum(len(f.tokens) for f in feeds) + (B - len(feeds))
+    layout = StepLayout(B, max(counts, default=0), T)
+    host = torch.empty(layout.size, dtype=torch.int32, pin_memory=pin)
+    table, _, count, cu, tokens, positions, slots = layout.views(host.numpy())
+    table[:] = 0
+    count[:] = 0
+    count[: len(feeds)] = counts
+    cu[0] = 0
+    cu[1:] = np.arange(1, B + 1) + (T - B)
+    tokens[:], positions[:], slots[:] = 0, 0, pad_slot
+    t = 0
+    for b, (f, n) in enumerate(zip(feeds, counts)):
+        table[:, b, :n] = f.rows[:n].T
+        k = len(f.tokens)
+        own = f.first + np.arange(k)
+        tokens[t: t + k] = f.tokens
+        positions[t: t + k] = f.own_start + own
+        slots[t: t + k] = f.rows[f.n_context + own // page_size, PAGE] * page_size + own % page_size
+        t += k
+        cu[b + 1] = t
+    return host, layout
+
+
+def copy_step(src: torch.Tensor, src_layout: StepLayout, dst: torch.Tensor, dst_layout: StepLayout) -> None:
+    """Copy a packed step into a buffer whose page table is at least as wide (same batch and
+    tokens): how a CUDA graph's fixed-width buffer takes each step."""
+    src_table, src_tail = src_layout.views(src)[:2]
+    table, tail = dst_layout.views(dst)[:2]
+    table[:, :, : src_layout.width].copy_(src_table)  # entries past a request's count are never read
+    tail.copy_(src_tail)
+
+
+@dataclass
+class StepInputs:
+    """A packed step on the device: the model's tokens and positions, and what attention reads."""
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    slots: torch.Tensor
+    cu_seqlens: torch.Tensor
+    pages: kernels.PageTable
+    decode: bool  # one token per request
+
+    @classmethod
+    def on(cls, buf: torch.Tensor, layout: StepLayout) -> "StepInputs":
+        table, _, count, cu, tokens, positions, slots = layout.views(buf)
+        ids, delta, start, length = table.unbind(0)
+        return cls(tokens, positions, slots, cu, kernels.PageTable(ids, delta, start, length, count),
+                   decode=layout.tokens == layout.batch)
+
+    @classmethod
+    def upload(cls, feeds: list[Feed], page_size: int, device: torch.device) -> "StepInputs":
+        host, layout = pack_step(feeds, page_size, pin=device.type == "cuda")
+        # pinned memory comes from torch's caching host allocator, which keeps a block until
+        # the copies reading it have run, so the next step cannot overwrite it early
+        return cls.on(host.to(device, non_blocking=True), layout)
 
 
 class PagedAttention:
     """The attention of one forward step over the pool (see the module docstring).
 
-    q_lens: new tokens per request (all 1 in decode); positions: their logical
-    positions; slots: where their K/V go; lazy: rotate queries per page in the kernel.
+    lazy: rotate queries per page in the kernel; otherwise rotate them once at their
+    logical positions (the keys already sit at theirs).
     """
 
-    def __init__(self, pool: PagePool, requests: list[torch.Tensor], q_lens: list[int],
-                 positions: torch.Tensor, slots: torch.Tensor, inv_freq: torch.Tensor, sm_scale: float, lazy: bool):
-        dev = pool.kv.device
-        self.pool = pool
-        self.pages = page_table(requests, dev)
-        self.positions = positions.to(device=dev, dtype=torch.int32)
-        self.slots = slots.to(dev)
-        self.decode = all(n == 1 for n in q_lens)
-        cu = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
-        cu[1:] = torch.tensor(q_lens).cumsum(0)
-        self.cu_seqlens = cu.to(dev)
+    def __init__(self, pool: PagePool, step: StepInputs, inv_freq: torch.Tensor, sm_scale: float, lazy: bool):
+        self.pool, self.step = pool, step
         self.inv_freq, self.sm_scale, self.lazy = inv_freq, sm_scale, lazy
-
-    @classmethod
-    def for_step(cls, pool: PagePool, token_lists: list[list[int]], contexts: list[torch.Tensor],
-                 owns: list[torch.Tensor], first: list[int], inv_freq: torch.Tensor, sm_scale: float,
-                 lazy: bool) -> tuple[torch.Tensor, "PagedAttention"]:
-        """One forward step: request b feeds token_lists[b], which go to its own rows `owns[b]`
-        from index first[b], after its context rows. Returns the tokens' logical positions and
-        the attention callable."""
-        ps = pool.page_size
-        positions = torch.cat([torch.arange(int(o[0, START]) + f, int(o[0, START]) + f + len(t))
-                               for t, o, f in zip(token_lists, owns, first)])
-        slots = torch.cat([slots_for(o, f, len(t), ps) for t, o, f in zip(token_lists, owns, first)])
-        return positions, cls(pool, [torch.cat((c, o)) for c, o in zip(contexts, owns)],
-                              [len(t) for t in token_lists], positions, slots, inv_freq, sm_scale, lazy)
+        self.angles = None
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        st = self.step
         k_pages, v_pages = self.pool.layer(layer)
-        k_pages.view(-1, *k_pages.shape[2:])[self.slots] = k
-        v_pages.view(-1, *v_pages.shape[2:])[self.slots] = v
+        k_pages.view(-1, *k_pages.shape[2:])[st.slots] = k
+        v_pages.view(-1, *v_pages.shape[2:])[st.slots] = v
         if not self.lazy:  # keys sit at logical positions: rotate q once, like any engine
-            q = rotate(q, self.positions, self.inv_freq)
-        if self.decode:
-            return kernels.lazy_decode(q, k_pages, v_pages, self.pages, self.positions, self.inv_freq,
-                                       self.sm_scale, rotate=self.lazy)
-        return kernels.lazy_prefill(q, k_pages, v_pages, self.pages, self.cu_seqlens, self.positions,
+            q = rotate(q, st.positions, self.inv_freq)
+        if st.decode:
+            if layer == 0 and self.lazy:  # the per-page cos/sin depend on the step, not the layer
+                self.angles = kernels.decode_angles(st.pages, st.positions, self.inv_freq)
+            return kernels.lazy_decode(q, k_pages, v_pages, st.pages, st.positions, self.inv_freq,
+                                       self.sm_scale, rotate=self.lazy, angles=self.angles)
+        return kernels.lazy_prefill(q, k_pages, v_pages, st.pages, st.cu_seqlens, st.positions,
                                     self.inv_freq, self.sm_scale, rotate=self.lazy)

@@ -772,6 +772,11 @@ class Store:
         with self._db_lock:
             return [json.loads(r[0]) for r in self._db.execute("SELECT record FROM runs ORDER BY id")]
 
+    def max_padded_length(self) -> int:
+        """Rows of the longest stored chunk (0 for an empty store)."""
+        with self._db_lock:
+            return self._db.execute("SELECT COALESCE(MAX(padded_length), 0) FROM chunks").fetchone()[0]
+
     def summary(self) -> dict:
         """Store numbers for ``lazyrag stats``."""
         s = self.settings

@@ -166,7 +166,7 @@ def bench_model(model: str, args, root: Path, save) -> dict:
     zipf = zipf_docs(rng, 2.1, n)
     uniform = zipf_docs(rng, None, n)
     out = {"model": model, "index": index, "closed": [], "uniform": [], "poisson": [], "sweep": []}
-    kw = {}
+    kw = {"cuda_graphs": not args.eager}
     cache = args.cache_gb
     # compile the kernels for small and full batches, so compilation lands in no timed run
     for mode in ("lazy", "block"):
@@ -200,6 +200,13 @@ def bench_model(model: str, args, root: Path, save) -> dict:
                 print(f"[{model}] {workload} {mode} round {rnd}: {json.dumps(r)}", flush=True)
 
     alternate("closed", zipf)
+    if args.eager_too:  # the same closed Zipf runs without CUDA graphs: what replaying the decode step buys
+        out["eager"] = []
+        for mode in ("lazy", "block"):
+            r = run(dict(kw, cuda_graphs=False), loaded, store, mode, zipf, questions, cache, args.batch_size)
+            out["eager"].append(r)
+            save(out)
+            print(f"[{model}] closed {mode} eager: {json.dumps(r)}", flush=True)
     if not args.skip_full:
         m = min(n, args.full_requests)
         r = run(kw, loaded, store, "full", zipf[:m], questions[:m], cache, args.batch_size)
@@ -245,8 +252,8 @@ def table(results: list[dict]) -> str:
              "| KV peak GB |", "|---|---|---|---|---|---|---|---|---|"]
     for res in results:
         short = res["model"].split(":")[-1]
-        for label, rows in (("zipf 2.1 closed", res["closed"]), ("uniform closed", res["uniform"]),
-                            ("zipf 2.1 poisson", res["poisson"])):
+        for label, rows in (("zipf 2.1 closed", res["closed"]), ("zipf 2.1 closed, eager", res.get("eager", [])),
+                            ("uniform closed", res["uniform"]), ("zipf 2.1 poisson", res["poisson"])):
             for r in rows:
                 t = r["ttft_ms"]
                 wl = label + (f" {r['rate_req_s']}/s" if "rate_req_s" in r else "")
@@ -319,6 +326,9 @@ def main() -> None:
                     help="also run lazy and block on N Zipf requests under torch.profiler (GPU busy share, "
                          "top kernels) before the timed runs")
     ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--eager", action="store_true", help="no CUDA graphs anywhere (the engine's --eager)")
+    ap.add_argument("--eager-too", action="store_true",
+                    help="after the closed Zipf rounds, time lazy and block once more without CUDA graphs")
     ap.add_argument("--docs", type=int, default=DOCS)
     ap.add_argument("--doc-tokens", type=int, default=DOC_TOKENS)
     ap.add_argument("--plot", type=Path, help="draw docs/cache_sweep.png from a results file and exit")

@@ -11,7 +11,7 @@ from lazyrag.cache import ChunkCache
 from lazyrag.config import IndexConfig
 from lazyrag.engine import Engine, Request
 from lazyrag.indexer import build_index
-from lazyrag.paged import DELTA, PAGE, PagePool
+from lazyrag.paged import DELTA, PAGE, PagedAttention, PagePool, StepInputs, StepLayout, copy_step, pack_step
 from lazyrag.prompt import PromptFormat
 from lazyrag.store import Store
 
@@ -150,7 +150,7 @@ def test_shared_chunk_occupies_the_pool_once(tmp_path, tiny):
     pages = engine.cache.resident[nile.chunk_id].pages
     deltas = {}
     for r in (r1, r2):
-        rows = r._context[r._context[:, PAGE] == pages[0]]
+        rows = r._rows[: r._n_context][r._rows[: r._n_context, PAGE] == pages[0]]
         assert len(rows) == 1
         deltas[r.id] = int(rows[0, DELTA])
     assert deltas["1"] == 0 and deltas["2"] > 0  # one physical copy, two different shifts
@@ -226,3 +226,48 @@ def test_continuation_logprobs_equal_transformers(tmp_path, smollm):
     ref = torch.log_softmax(logits, -1).gather(1, torch.tensor(cont)[:, None]).mean().item()
     assert abs(scores["full"] - ref) < 1e-4
     assert abs(scores["lazy"] - ref) > 1e-4
+
+
+@pytest.mark.parametrize("mode", ["lazy", "block", "full"])
+def test_padded_wide_decode_step_matches_plain_step(tmp_path, tiny, mode):
+    """What a CUDA graph replays, checked on the CPU: the step padded to a larger batch (rows
+    that read no pages, K/V to a spare slot) and copied into a wider page table gives the
+    same logits for the real requests as the plain step."""
+    store = make_store(tmp_path, "random:tiny", chunk_tokens=48)
+    fmt = PromptFormat(tiny.tokenizer)
+    engine = Engine(tiny, store, mode, cache_bytes=8 << 20, batch_size=4)
+    reqs = [request(store, fmt, "1", ["nile", "iron"], "Q one?"), request(store, fmt, "2", ["bach"], "Q two?")]
+    for r in reqs:
+        engine._place(r)
+    for r, t in zip(reqs, engine._prefill(reqs).argmax(-1).tolist()):
+        r.generated.append(t)
+    feeds = [engine._feed(r, [r.generated[-1]]) for r in reqs]
+    plain = engine._forward(feeds, lazy=mode == "lazy")
+    pad_slot = engine.cache.alloc(1)[0] * engine.page_size
+    host, packed = pack_step(feeds, engine.page_size, batch=5, pad_slot=pad_slot)
+    wide = StepLayout(5, packed.width + 7, 5)
+    buf = torch.full((wide.size,), 12345, dtype=torch.int32)  # junk past every count
+    copy_step(host, packed, buf, wide)
+    step = StepInputs.on(buf, wide)
+    assert step.decode and step.pages.count.tolist()[2:] == [0, 0, 0]
+    model = tiny.model
+    hidden = model(step.tokens, step.positions,
+                   PagedAttention(engine.pool, step, model.inv_freq, engine.sm_scale, mode == "lazy"))
+    padded = model.logits(hidden)[: len(reqs), : engine.vocab]
+    torch.testing.assert_close(padded, plain, rtol=1e-4, atol=1e-4)
+    engine.close()
+
+
+def test_step_fields_are_16_byte_aligned_whatever_the_shape():
+    """Triton specialises kernels on pointer alignment: a field whose alignment followed the
+    batch size or width compiled a new kernel variant in the middle of a run."""
+    for batch, width, tokens in [(1, 1, 1), (3, 5, 7), (5, 162, 5), (32, 161, 40), (7, 3, 1000)]:
+        layout = StepLayout(batch, width, tokens)
+        buf = torch.zeros(layout.size, dtype=torch.int32)
+        step = StepInputs.on(buf, layout)
+        pages = step.pages
+        for t in (pages.ids, pages.delta, pages.start, pages.length, pages.count, step.cu_seqlens,
+                  step.tokens, step.positions, step.slots):
+            assert (t.data_ptr() - buf.data_ptr()) % 16 == 0
+        assert pages.ids.stride(0) % 4 == 0 and tuple(pages.ids.shape) == (batch, width)
+        assert step.slots.numel() == tokens and step.cu_seqlens.numel() == batch + 1

@@ -4,12 +4,14 @@ Run on the device machine with `pytest -m gpu`."""
 import json
 
 import pytest
+import torch
 
 import kernels
 from lazyrag.config import IndexConfig
 from lazyrag.engine import Engine, Request
 from lazyrag.indexer import build_index
 from lazyrag.models import load_model
+from lazyrag.paged import PagedAttention, StepInputs, pack_step
 from lazyrag.prompt import PromptFormat
 from lazyrag.store import Store
 
@@ -36,8 +38,9 @@ def requests(store, fmt):
             for i, ds in enumerate(docs)]
 
 
-def prefill_logits(loaded, store, mode, monkeypatch=None):
-    engine = Engine(loaded, store, mode, cache_bytes=4 << 30, batch_size=8)
+def prefill_logits(loaded, store, mode):
+    # no CUDA graphs: a test swaps in the reference kernels, which sync and cannot be captured
+    engine = Engine(loaded, store, mode, cache_bytes=4 << 30, batch_size=8, cuda_graphs=False)
     reqs = requests(store, PromptFormat(loaded.tokenizer))
     for r in reqs:
         engine._place(r)
@@ -76,3 +79,57 @@ def test_generation_runs_in_every_mode(setup):
         engine.close()
         assert sorted(r.id for r in done) == ["r0", "r1", "r2"]
         assert all(len(r.generated) == 8 and r.ttft_ms > 0 for r in done)
+
+
+@pytest.mark.parametrize("mode", ["lazy", "block", "full"])
+def test_cuda_graph_decode_matches_eager(setup, mode):
+    loaded, store = setup
+    engine = Engine(loaded, store, mode, cache_bytes=4 << 30, batch_size=8, stop_at_eos=False)
+    assert engine.graphs is not None
+    reqs = requests(store, PromptFormat(loaded.tokenizer))  # 3 requests: the graph pads them to 4
+    for r in reqs:
+        engine._place(r)
+    for r, t in zip(reqs, engine._prefill(reqs).argmax(-1).tolist()):
+        r.generated.append(t)
+    model = loaded.model
+    for _ in range(3):
+        feeds = [engine._feed(r, [r.generated[-1]]) for r in reqs]
+        replayed = engine.graphs.run(feeds)[:, : engine.vocab].float().clone()
+        # the same padded batch run eagerly: the same matmul shapes, so close to bit-exact
+        host, packed = pack_step(feeds, engine.page_size, batch=4, pad_slot=engine.graphs.pad_slot)
+        step = StepInputs.on(host.to(loaded.device), packed)
+        attention = PagedAttention(engine.pool, step, model.inv_freq, engine.sm_scale, mode == "lazy")
+        padded = model.logits(model(step.tokens, step.positions, attention))[:3, : engine.vocab].float()
+        assert rel(replayed, padded) < 2e-3
+        # the plain step: other matmul shapes, so bf16 rounding differs a little
+        eager = engine._forward(feeds, lazy=mode == "lazy").float()
+        assert rel(replayed, eager) < 3e-2
+        for r, t in zip(reqs, eager.argmax(-1).tolist()):
+            r.generated.append(t)
+            r._fed += 1
+    engine.graphs.max_pages = 1  # a step wider than the graphs' table runs eagerly
+    assert engine.graphs.run([engine._feed(r, [r.generated[-1]]) for r in reqs]) is None
+    engine.close()
+
+
+def test_staged_chunk_loads_are_bit_exact(setup):
+    """Chunk reads go through recycled pinned buffers: load, evict and reload every chunk three
+    times (some prefetched, some read on demand) and compare the pool with the store."""
+    from lazyrag.cache import ChunkCache
+    from lazyrag.paged import PagePool
+
+    loaded, store = setup
+    cfg = loaded.cfg
+    pool = PagePool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 64, store.settings.page_size,
+                    loaded.dtype, loaded.device)
+    cache = ChunkCache(store, pool)
+    assert cache.staging.nbytes == store.max_padded_length() * cache.row_bytes  # the longest chunk fits
+    chunks = list(store.iter_chunks())
+    for _ in range(3):
+        cache.prefetch(chunks[: len(chunks) // 2])
+        for info in chunks:
+            entry = cache.acquire(info)
+            assert torch.equal(pool.read_tokens(entry.pages).cpu(), store.read_kv(info)), info.chunk_id
+            cache.release(entry)
+            cache.evict(info.chunk_id)
+    cache.close()
