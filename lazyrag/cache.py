@@ -225,8 +225,10 @@ class ChunkCache:
         else:
             host = future.result()
         self.counters.bytes_read += host.numel() * host.element_size()
-        if self.host.budget:  # the tier keeps its own copy: the staging buffer is reused
-            self.host.put(cid, host.clone() if buf is not None else host)
+        if host.numel() * host.element_size() <= self.host.budget:
+            if buf is not None:  # the tier keeps its own pinned copy: the staging buffer is reused
+                host = torch.empty(host.shape, dtype=host.dtype, pin_memory=True).copy_(host)
+            self.host.put(cid, host)
         return host, buf
 
     def _load(self, info: ChunkInfo, pages: list[int]) -> None:

@@ -186,6 +186,24 @@ def test_evicted_chunk_reloads_bit_exactly_and_counters_follow_lru(tmp_path, tin
     cache.close()
 
 
+def test_host_tier_serves_evicted_chunks_without_the_disk(tmp_path, tiny):
+    store = make_store(tmp_path, "random:tiny", chunk_tokens=48, dtype="bf16")
+    a, b = (store.doc_chunks(d)[0] for d in ("nile", "iron"))
+    s = store.settings
+    pages = max(-(-x.padded_length // s.page_size) for x in (a, b))
+    pool = PagePool(s.num_layers, s.num_kv_heads, s.head_dim, pages, s.page_size, torch.bfloat16,
+                    torch.device("cpu"))
+    cache = ChunkCache(store, pool, host_cache_bytes=64 << 20)
+    for info in (a, b, a, b):  # room for one chunk: every use is a miss after the first two reads
+        entry = cache.acquire(info)
+        assert torch.equal(pool.read_tokens(entry.pages).view(torch.int16), store.read_kv(info).view(torch.int16))
+        cache.release(entry)
+    c = cache.counters
+    assert (c.misses, c.host_hits) == (4, 2)
+    assert c.bytes_read == sum(store.read_kv(x).numel() * 2 for x in (a, b))  # each read from disk once
+    cache.close()
+
+
 def test_pinned_chunks_are_never_evicted(tmp_path, tiny):
     store = make_store(tmp_path, "random:tiny", chunk_tokens=48)
     a, b = (store.doc_chunks(d)[0] for d in ("nile", "iron"))
