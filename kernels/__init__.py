@@ -57,11 +57,11 @@ API
     ``src``, ``dst``, ``delta``: int32 [N]. Returns ``(dst_k, dst_v)``.
 
 Tuning (keyword-only, Triton path; the reference ignores them): ``lazy_prefill`` takes
-``max_seqlen_q`` (skips a host sync), ``block_m``, ``block_n``, ``num_warps``, ``num_stages``
-``tma`` (Hopper TMA page loads; needs ``block_n == page_size`` and a contiguous pool) and
-``out``; ``lazy_decode`` takes ``num_splits``, ``flat`` (page by page, see above), ``angles``
-(see ``decode_angles``), ``block_n`` (run-by-run walk only), ``num_warps``, ``num_stages`` and
-``out``. Prefill walks
+``max_seqlen_q`` (skips a host sync), ``block_m``, ``block_n``, ``num_warps``, ``num_stages``,
+``tma`` (Hopper TMA page loads; needs ``block_n == page_size`` and a contiguous pool; the
+default at head dim 128 on Hopper, where it measured faster) and ``out``; ``lazy_decode``
+takes ``num_splits``, ``flat`` (page by page, see above), ``angles`` (see ``decode_angles``),
+``block_n`` (run-by-run walk only), ``num_warps``, ``num_stages`` and ``out``. Prefill walks
 a request's pages run by run (a run: consecutive pages with one delta), rotating the query
 once per run outside the inner key loop; see docs/benchmarks.md.
 Measured on the H200: page size 64 is fastest (docs/benchmarks.md, "## Kernels").
