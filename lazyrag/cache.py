@@ -9,6 +9,7 @@ GPU copies go on their own CUDA stream.
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict, deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -33,6 +34,7 @@ class CacheCounters:
     bytes_read: int = 0       # from the store on disk
     bytes_to_gpu: int = 0     # copied into the pool
     evictions: int = 0
+    read_wait_s: float = 0.0  # time the engine waited on chunk reads (from disk, or prefetched still in flight)
     peak_pages: int = 0
     pool_pages: int = 0
     page_bytes: int = 0
@@ -219,11 +221,13 @@ class ChunkCache:
             self.counters.host_hits += 1
             return host, None
         future, buf = self.pending.pop(cid, (None, None))
+        t = time.perf_counter()
         if future is None:
             buf = self._staging_buffer(info)
             host = self._read(info, buf)
         else:
             host = future.result()
+        self.counters.read_wait_s += time.perf_counter() - t
         self.counters.bytes_read += host.numel() * host.element_size()
         if host.numel() * host.element_size() <= self.host.budget:
             if buf is not None:  # the tier keeps its own pinned copy: the staging buffer is reused

@@ -113,7 +113,7 @@ def run(engine_args: dict, loaded, store, mode: str, prompts, questions, cache_g
         "req_per_s": round(len(done) / seconds, 3), "out_tok_per_s": round(out_tokens / seconds, 1),
         "hit_ratio": round(c.hit_ratio, 4), "token_hit_ratio": round(c.token_hit_ratio, 4),
         "kv_peak_gb": round(c.peak_pages * c.page_bytes / 2**30, 2), "bytes_read_gb": round(c.bytes_read / 2**30, 2),
-        "evictions": c.evictions,
+        "evictions": c.evictions, "read_wait_s": round(c.read_wait_s, 3),
     }
     del engine
     free_cache()

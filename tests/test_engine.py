@@ -200,6 +200,7 @@ def test_host_tier_serves_evicted_chunks_without_the_disk(tmp_path, tiny):
         cache.release(entry)
     c = cache.counters
     assert (c.misses, c.host_hits) == (4, 2)
+    assert c.read_wait_s > 0  # the two disk reads
     assert c.bytes_read == sum(store.read_kv(x).numel() * 2 for x in (a, b))  # each read from disk once
     cache.close()
 
