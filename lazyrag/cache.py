@@ -159,6 +159,11 @@ class ChunkCache:
         entry.pins += 1
         return entry
 
+    def reset_counters(self) -> None:
+        """Start counting afresh (the resident chunks stay): benchmarks time a warmed cache."""
+        self.counters = CacheCounters(pool_pages=self.pool.num_pages, page_bytes=self.pool.bytes_per_page)
+        self.pool.peak_used = self.pool.used
+
     def release(self, entry: Resident) -> None:
         entry.pins -= 1
 
