@@ -347,6 +347,13 @@ _LOG2E = 1.4426950408889634
 POISON_SCRATCH = False  # tests: fill decode scratch with NaN to catch unwritten partials
 
 
+def _scratch(shape, device):
+    """fp32 working memory for decode, NaN-filled under the tests' POISON_SCRATCH."""
+    if POISON_SCRATCH:
+        return torch.full(shape, float("nan"), device=device, dtype=torch.float32)
+    return torch.empty(shape, device=device, dtype=torch.float32)
+
+
 def _prec(dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
@@ -438,8 +445,7 @@ def decode_angles(pages: PageTable, q_pos, inv_freq):
 def _angles_table(pages: PageTable, q_pos, inv_freq):
     D = 2 * inv_freq.shape[0]
     B, max_pages = pages.ids.shape
-    scratch = torch.full if POISON_SCRATCH else (lambda shape, _v, **kw: torch.empty(shape, **kw))
-    cs = scratch((B, max_pages, D), float("nan"), device=inv_freq.device, dtype=torch.float32)
+    cs = _scratch((B, max_pages, D), inv_freq.device)
     if B and max_pages:
         _decode_angles_kernel[(B, triton.cdiv(max_pages, 32))](
             pages.delta, pages.count, q_pos, inv_freq, cs, pages.delta.stride(0), max_pages,
@@ -466,9 +472,8 @@ def lazy_decode(q, k_pages, v_pages, pages: PageTable, q_pos, inv_freq, sm_scale
         # 32 x 8K (300 vs 338 us), 5% behind at 8 x 32K (351 vs 332 us)
         want = triton.cdiv(4 * _num_sms(q.device), B * Hkv)
         num_splits = max(1, min(want, max_blk, 64))
-    scratch = torch.full if POISON_SCRATCH else (lambda shape, _v, **kw: torch.empty(shape, **kw))
-    op = scratch((B, H, num_splits, D), float("nan"), device=q.device, dtype=torch.float32)
-    lse = scratch((B, H, num_splits), float("nan"), device=q.device, dtype=torch.float32)
+    op = _scratch((B, H, num_splits, D), q.device)
+    lse = _scratch((B, H, num_splits), q.device)
     cs = op  # unused unless the flat loop rotates
     if flat and rotate:
         if angles is None:

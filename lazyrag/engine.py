@@ -238,9 +238,11 @@ class Engine:
         logits = self.graphs.run(feeds) if self.graphs else None
         if logits is None:
             logits = self._forward(feeds, lazy=self.mode == "lazy")
+        else:
+            logits = logits[:, : self.vocab]  # the graph computes the model's padded vocabulary
         for r in running:
             r._fed += 1
-        return logits[:, : self.vocab]
+        return logits
 
     def _forward(self, feeds: list[Feed], lazy: bool, select: torch.Tensor | None = None) -> torch.Tensor:
         """One eager step. Returns the logits of each feed's last token, or of the packed token
