@@ -33,37 +33,30 @@ API
     rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]`` (int32 [B+1]); ``q_pos`` int32 ``[total_q]``
     logical positions. Returns o ``[total_q, num_heads, D]`` in q's dtype.
     ``rotate=True``: q is UN-rotated; for each page the kernel uses ``R(m - delta) q`` against
-    the stored keys (computed once per run of same-delta pages per query tile, as
-    ``R(m0 - delta) R(m - m0) q`` with ``m0`` the tile's first position; stored keys are never
-    rotated or copied). ``rotate=False``: q is already rotated at its logical positions
+    the stored keys, computed as ``R(m0 - delta) R(m - m0) q`` with ``m0`` the query tile's
+    first position, and only where the delta changes from one page to the next (the pages of
+    a chunk share one); stored keys are never rotated or copied. ``rotate=False``: q is already rotated at its logical positions
     and keys are taken as being at logical positions (ordinary paged causal attention; the
     rotation is compiled out).
     GQA: ``num_heads`` must be a multiple of ``kv_heads`` (any ratio). The caller must have
     written the request's own new tokens into its own pages (delta 0) beforehand.
 ``lazy_decode(q, k_pages, v_pages, pages, q_pos, inv_freq, sm_scale, rotate=True)``
     q ``[B, num_heads, D]``, one token per request at ``q_pos[b]`` (int32 [B]); same rules.
-    Flash-decoding: the key range is split across programs and merged by log-sum-exp. At head
-    dim 128 the query is rotated page by page with cos/sin rows computed for every page entry
-    by a small kernel first (``flat``); at 64, run by run as in prefill (measured faster each).
-    Each request's pages are split evenly over the programs, whatever the table's width.
-``decode_angles(pages, q_pos, inv_freq)``
-    The cos/sin table ``lazy_decode`` needs for one step (fp32 ``[B, max_pages, D]``), or None
-    where it needs none (head dim 64, the PyTorch reference). It depends on the step, not the
-    layer: compute it once and pass ``angles=`` to every layer's ``lazy_decode``.
+    Flash-decoding: each request's pages are split evenly across programs (whatever the
+    table's width) and the parts merged by log-sum-exp; one program serves the query heads of
+    one KV head, so each page is read once per group.
 ``rotate_copy(k_pages, v_pages, src, dst, delta, inv_freq, dst_k=None, dst_v=None)``
     For each ``i``: page ``src[i]`` -> page ``dst[i]`` of ``dst_k``/``dst_v`` (default: the same
     pools, in place; then no dst page may also be a src page), keys re-rotated by
     ``R(delta[i])`` (stored at ``s + j`` -> rotated at ``s + delta + j``), values copied.
     ``src``, ``dst``, ``delta``: int32 [N]. Returns ``(dst_k, dst_v)``.
 
-Tuning (keyword-only, Triton path; the reference ignores them): ``lazy_prefill`` takes
-``max_seqlen_q`` (skips a host sync), ``block_m``, ``block_n``, ``num_warps``, ``num_stages``,
-``tma`` (Hopper TMA page loads; needs ``block_n == page_size`` and a contiguous pool; the
-default at head dim 128 on Hopper, where it measured faster) and ``out``; ``lazy_decode``
-takes ``num_splits``, ``flat`` (page by page, see above), ``angles`` (see ``decode_angles``),
-``block_n`` (run-by-run walk only), ``num_warps``, ``num_stages`` and ``out``. Prefill walks
-a request's pages run by run (a run: consecutive pages with one delta), rotating the query
-once per run outside the inner key loop; see docs/benchmarks.md.
+Both kernels walk a request's pages one page per key block, in one loop (see
+docs/benchmarks.md for what each choice measured). Tuning (keyword-only, Triton path; the
+reference ignores them): ``lazy_prefill`` takes ``max_seqlen_q`` (skips a host sync),
+``block_m``, ``num_warps``, ``num_stages`` and ``out``; ``lazy_decode`` takes ``num_splits``,
+``block_h`` (query rows per program), ``tma`` (Hopper TMA page loads, needs contiguous pools;
+the default at head dim 128 on Hopper), ``num_warps``, ``num_stages`` and ``out``.
 Measured on the H200: page size 64 is fastest (docs/benchmarks.md, "## Kernels").
 
 Dispatch: CUDA tensors run the Triton kernels; CPU tensors run ``kernels.reference`` (plain
@@ -84,7 +77,7 @@ from torch import Tensor
 from . import reference
 from .pages import PageTable
 
-__all__ = ["PageTable", "lazy_prefill", "lazy_decode", "decode_angles", "rotate_copy", "reference", "backend"]
+__all__ = ["PageTable", "lazy_prefill", "lazy_decode", "rotate_copy", "reference", "backend"]
 
 _TRITON_MODULES: dict[bool, object] = {}
 
@@ -223,11 +216,6 @@ def lazy_decode(q: Tensor, k_pages: Tensor, v_pages: Tensor, pages: PageTable, q
     if q_pos.dtype != torch.int32 or q_pos.shape != (q.shape[0],):
         raise ValueError(f"q_pos must be int32 [B] = [{q.shape[0]}]")
     return _impl(q).lazy_decode(q, k_pages, v_pages, pages, q_pos, inv_freq, sm_scale, rotate, **tuning)
-
-
-def decode_angles(pages: PageTable, q_pos: Tensor, inv_freq: Tensor) -> Tensor | None:
-    """One decode step's cos/sin table for every layer's ``lazy_decode``; see the module docstring."""
-    return _impl(inv_freq).decode_angles(pages, q_pos, inv_freq)
 
 
 def rotate_copy(k_pages: Tensor, v_pages: Tensor, src: Tensor, dst: Tensor, delta: Tensor, inv_freq: Tensor,

@@ -127,11 +127,6 @@ def lazy_decode(q: Tensor, k_pages: Tensor, v_pages: Tensor, pages: PageTable, q
     return lazy_prefill(q, k_pages, v_pages, pages, cu, q_pos, inv_freq, sm_scale, rotate)
 
 
-def decode_angles(pages: PageTable, q_pos: Tensor, inv_freq: Tensor) -> None:
-    """The reference rotates per distinct delta as it goes: no table."""
-    return None
-
-
 def rotate_copy(k_pages: Tensor, v_pages: Tensor, src: Tensor, dst: Tensor, delta: Tensor, inv_freq: Tensor,
                 dst_k: Tensor | None = None, dst_v: Tensor | None = None):
     dst_k = k_pages if dst_k is None else dst_k

@@ -247,7 +247,6 @@ class PagedAttention:
     def __init__(self, pool: PagePool, step: StepInputs, inv_freq: torch.Tensor, sm_scale: float, lazy: bool):
         self.pool, self.step = pool, step
         self.inv_freq, self.sm_scale, self.lazy = inv_freq, sm_scale, lazy
-        self.angles = None
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         st = self.step
@@ -257,9 +256,7 @@ class PagedAttention:
         if not self.lazy:  # keys sit at logical positions: rotate q once, like any engine
             q = rotate(q, st.positions, self.inv_freq)
         if st.decode:
-            if layer == 0 and self.lazy:  # the per-page cos/sin depend on the step, not the layer
-                self.angles = kernels.decode_angles(st.pages, st.positions, self.inv_freq)
             return kernels.lazy_decode(q, k_pages, v_pages, st.pages, st.positions, self.inv_freq,
-                                       self.sm_scale, rotate=self.lazy, angles=self.angles)
+                                       self.sm_scale, rotate=self.lazy)
         return kernels.lazy_prefill(q, k_pages, v_pages, st.pages, st.cu_seqlens, st.positions,
                                     self.inv_freq, self.sm_scale, rotate=self.lazy)

@@ -301,10 +301,8 @@ def main():
     mm_lim = f"{mm:.0f} TFLOP/s mm"
 
     # first configs: the defaults; then the alternatives they were chosen over
-    dec_cfgs = [dict(), dict(flat=True), dict(flat=False), dict(num_splits=3), dict(num_splits=9)]
-    # (8 warps on 64-row tiles spill 4-5x less, scripts/kernel_regs.py, but ran 1.7x slower: dropped)
-    pre_cfgs = [dict(), dict(tma=False), dict(block_n=128), dict(block_m=128, num_warps=8),
-                dict(block_m=128, block_n=64, num_warps=8, tma=True)]
+    dec_cfgs = [dict(), dict(tma=False), dict(num_splits=3), dict(num_splits=6), dict(num_splits=9)]
+    pre_cfgs = [dict(), dict(num_stages=3), dict(block_m=128)]
     if QUICK:
         dec_cfgs, pre_cfgs = dec_cfgs[:1], pre_cfgs[:1]
 

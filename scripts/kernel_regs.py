@@ -27,7 +27,7 @@ from kernels import _triton as kt  # noqa: E402
 
 POINTERS = {**{n: "*bf16" for n in ("Q", "K", "V", "O")},
             **{n: "*i32" for n in ("IDS", "DELTA", "START", "LEN", "COUNT", "CU", "QPOS")},
-            **{n: "*fp32" for n in ("INVF", "OP", "LSE", "CS")}}
+            **{n: "*fp32" for n in ("INVF", "OP", "LSE", "QR")}}
 
 
 def resources(kernel, constexprs: dict, num_warps: int, num_stages: int, arch: int, tma_block=None) -> dict:
@@ -47,10 +47,19 @@ def resources(kernel, constexprs: dict, num_warps: int, num_stages: int, arch: i
                               capture_output=True, text=True, check=True).stderr
     regs = re.search(r"Used (\d+) registers", info)
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", info)
-    return {"registers": int(regs.group(1)) if regs else None,
+    n_regs = int(regs.group(1)) if regs else 0
+    return {"registers": n_regs,
             "spill_stores": int(spills.group(1)) if spills else 0,
             "spill_loads": int(spills.group(2)) if spills else 0,
-            "shared": compiled.metadata.shared}
+            "shared": compiled.metadata.shared,
+            "programs_per_sm": programs_per_sm(n_regs, compiled.metadata.shared, num_warps)}
+
+
+def programs_per_sm(regs: int, shared: int, num_warps: int) -> int:
+    """Resident programs on one Hopper SM: 64K registers (allocated per warp in 256s), 228 KB
+    of shared memory (1 KB reserved per program), 64 warps, 32 programs."""
+    per_warp = -(-max(regs, 1) * 32 // 256) * 256
+    return min(65536 // (per_warp * num_warps), 228 * 1024 // (shared + 1024), 64 // num_warps, 32)
 
 
 def main() -> None:
@@ -61,23 +70,22 @@ def main() -> None:
     rows = []
     for D in (128, 64):
         for rotate in (True, False):
-            for bm, bn, warps in ((64, 64, 4), (64, 64, 8), (128, 64, 8), (64, 128, 4)):
-                for tma in ((False, True) if bn == 64 else (False,)):
-                    c = dict(GROUP=4, DTYPE=bf16, PS=64, HALF=D // 2, BLOCK_M=bm, BLOCK_N=bn, ROTATE=rotate,
-                             PREC="tf32", IDX64=False, TMA=tma)
-                    rows.append(("prefill", D, rotate, f"{bm}x{bn}, {warps} warps{', TMA' if tma else ''}",
-                                 resources(kt._prefill_kernel, c, warps, 2, args.arch, (64, D) if tma else None)))
-            for flat in (True, False):
-                c = dict(GROUP=4, DTYPE=bf16, PS=64, HALF=D // 2, BLOCK_H=16, BLOCK_N=64, ROTATE=rotate,
-                         PREC="tf32", IDX64=False, FLAT=flat)
-                rows.append(("decode", D, rotate, f"{'flat' if flat else 'runs'}, 4 warps",
-                             resources(kt._decode_split_kernel, c, 4, 2, args.arch)))
+            for bm, warps in ((64, 4), (128, 8)):
+                c = dict(GROUP=4, DTYPE=bf16, PS=64, HALF=D // 2, BLOCK_M=bm, ROTATE=rotate, PREC="tf32", IDX64=False)
+                rows.append(("prefill", D, rotate, f"{bm} rows, {warps} warps",
+                             resources(kt._prefill_kernel, c, warps, 2, args.arch)))
+            warps = 8 if D == 64 else 4  # lazy_decode's default
+            for tma in ((True, False) if D == 128 else (False,)):
+                c = dict(GROUP=4, DTYPE=bf16, PS=64, HALF=D // 2, BLOCK_H=16, ROTATE=rotate, PREC="tf32",
+                         IDX64=False, TMA=tma)
+                r = resources(kt._decode_split_kernel, c, warps, 2, args.arch, (64, D) if tma else None)
+                rows.append(("decode", D, rotate, f"16 rows, {warps} warps{', TMA' if tma else ''}", r))
     print(f"sm_{args.arch}a, triton {triton.__version__}, bf16, page size 64, 2 stages\n")
-    print("| kernel | head dim | rotate | config | registers | spill stores / loads (bytes) | shared (bytes) |")
-    print("|---|---|---|---|---|---|---|")
+    print("| kernel | head dim | rotate | config | registers | spill stores / loads (bytes) | shared (bytes) | programs/SM |")
+    print("|---|---|---|---|---|---|---|---|")
     for kernel, D, rotate, cfg, r in rows:
         print(f"| {kernel} | {D} | {rotate} | {cfg} | {r['registers']} | {r['spill_stores']} / {r['spill_loads']} | "
-              f"{r['shared']} |")
+              f"{r['shared']} | {r['programs_per_sm']} |")
 
 
 if __name__ == "__main__":

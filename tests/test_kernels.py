@@ -321,19 +321,18 @@ def test_prefill_interp(interp, name, kw, rotate):
 @pytest.mark.parametrize("name,kw", [KERNEL_CASES[i] for i in (0, 2, 5, 7)],
                          ids=[KERNEL_CASES[i][0] for i in (0, 2, 5, 7)])
 def test_prefill_interp_wide_tile(interp, name, kw):
-    """64 x 64 tiles: one tile holds many query rows, and a key block several pages."""
+    """64-row tiles: one tile holds many query rows (and tokens of several pages)."""
     c = make_case(**kw)
     want = reference.lazy_prefill(c.q, c.k_pages, c.v_pages, c.pages, c.cu, c.q_pos, c.inv_freq, c.sm_scale)
     got = kernels.lazy_prefill(c.q, c.k_pages, c.v_pages, c.pages, c.cu, c.q_pos, c.inv_freq, c.sm_scale,
-                               out=torch.full_like(c.q, float("nan")), block_m=64, block_n=64)
+                               out=torch.full_like(c.q, float("nan")), block_m=64)
     assert not torch.isnan(got).any(), "unwritten output elements"
     assert rel_err(got, want) < tol(c.q.dtype), rel_err(got, want)
 
 
 @pytest.mark.parametrize("name,kw", KERNEL_CASES[:6], ids=[k[0] for k in KERNEL_CASES[:6]])
 @pytest.mark.parametrize("splits", [None, 3])
-@pytest.mark.parametrize("flat", [True, False])
-def test_decode_interp(interp, name, kw, splits, flat):
+def test_decode_interp(interp, name, kw, splits):
     kw = dict(kw)
     n = len(kw.get("plan") or [0, 1, 2])
     kw["q_lens"] = [1] * n
@@ -344,15 +343,15 @@ def test_decode_interp(interp, name, kw, splits, flat):
                                      rotate=rotate)
         out = torch.full_like(c.q, float("nan"))
         got = kernels.lazy_decode(c.q, c.k_pages, c.v_pages, c.pages, c.q_pos, c.inv_freq, c.sm_scale,
-                                  rotate=rotate, out=out, num_splits=splits, flat=flat)
+                                  rotate=rotate, out=out, num_splits=splits)
         assert not torch.isnan(got).any(), "unwritten output elements"
         assert rel_err(got, want) < tol(c.q.dtype), rel_err(got, want)
 
 
 @pytest.mark.parametrize("D", [64, 128])
-def test_decode_interp_wide_table_shared_angles(interp, D):
+def test_decode_interp_wide_table(interp, D):
     """As a CUDA graph runs it: a page table far wider than any request (junk past each count),
-    the split over each request's own pages, the cos/sin table computed once and passed in."""
+    the split over each request's own pages."""
     c = make_case(seed=43, H=4, Hkv=2, D=D, dtype=torch.float16, q_lens=[1, 1, 1])
     g = torch.Generator().manual_seed(44)
     wide = 5 * c.pages.max_pages
@@ -366,10 +365,8 @@ def test_decode_interp_wide_table_shared_angles(interp, D):
     pages = PageTable(widen(c.pages.ids, n_pages), widen(c.pages.delta, 999), widen(c.pages.start, 999),
                       widen(c.pages.length, c.k_pages.shape[1]), c.pages.count)
     want = reference.lazy_decode(c.q, c.k_pages, c.v_pages, c.pages, c.q_pos, c.inv_freq, c.sm_scale)
-    angles = kernels.decode_angles(pages, c.q_pos, c.inv_freq)
-    assert (angles is None) == (D == 64)  # run by run at 64: no table
     got = kernels.lazy_decode(c.q, c.k_pages, c.v_pages, pages, c.q_pos, c.inv_freq, c.sm_scale,
-                              angles=angles, num_splits=4, out=torch.full_like(c.q, float("nan")))
+                              num_splits=4, out=torch.full_like(c.q, float("nan")))
     assert not torch.isnan(got).any(), "unwritten output elements"
     assert rel_err(got, want) < tol(c.q.dtype), rel_err(got, want)
 
@@ -447,6 +444,11 @@ GPU_CASES = [(torch.bfloat16, 32, 8, 128, 16), (torch.bfloat16, 32, 8, 128, 64),
              (torch.bfloat16, 24, 8, 128, 64), (torch.float16, 32, 8, 128, 16), (torch.float16, 8, 8, 64, 16)]
 
 
+# the defaults (TMA at head dim 128 on Hopper) and every alternative the kernels still offer
+PREFILL_VARIANTS = [dict(), dict(block_m=128)]
+DECODE_VARIANTS = [dict(), dict(tma=False), dict(num_splits=5)]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("dtype,H,Hkv,D,PS", GPU_CASES)
@@ -460,31 +462,24 @@ def test_gpu_prefill_decode(dtype, H, Hkv, D, PS):
         for rotate in (True, False):
             want = reference.lazy_prefill(c.q, c.k_pages, c.v_pages, c.pages, c.cu, c.q_pos, c.inv_freq,
                                           c.sm_scale, rotate=rotate)
-            out = torch.full_like(c.q, float("nan"))
-            got = kernels.lazy_prefill(c.q, c.k_pages, c.v_pages, c.pages, c.cu, c.q_pos, c.inv_freq,
-                                       c.sm_scale, rotate=rotate, out=out)
-            torch.cuda.synchronize()
-            assert not torch.isnan(got).any()
-            assert rel_err(got, want) < tol(dtype), (rotate, rel_err(got, want))
-            if PS == 64:  # whole pages through TMA
+            for cfg in PREFILL_VARIANTS:
                 got = kernels.lazy_prefill(c.q, c.k_pages, c.v_pages, c.pages, c.cu, c.q_pos, c.inv_freq,
-                                           c.sm_scale, rotate=rotate, out=torch.full_like(c.q, float("nan")),
-                                           block_n=64, tma=True)
+                                           c.sm_scale, rotate=rotate, out=torch.full_like(c.q, float("nan")), **cfg)
                 torch.cuda.synchronize()
-                assert not torch.isnan(got).any()
-                assert rel_err(got, want) < tol(dtype), ("tma", rotate, rel_err(got, want))
+                assert not torch.isnan(got).any(), cfg
+                assert rel_err(got, want) < tol(dtype), (cfg, rotate, rel_err(got, want))
             # decode: last token of each request
             last = (c.cu[1:] - 1).long()
             qd = c.q[last].contiguous()
             pd = c.q_pos[last].contiguous()
             want = reference.lazy_decode(qd, c.k_pages, c.v_pages, c.pages, pd, c.inv_freq, c.sm_scale,
                                          rotate=rotate)
-            out = torch.full_like(qd, float("nan"))
-            got = kernels.lazy_decode(qd, c.k_pages, c.v_pages, c.pages, pd, c.inv_freq, c.sm_scale,
-                                      rotate=rotate, out=out)
-            torch.cuda.synchronize()
-            assert not torch.isnan(got).any()
-            assert rel_err(got, want) < tol(dtype), (rotate, rel_err(got, want))
+            for cfg in DECODE_VARIANTS:
+                got = kernels.lazy_decode(qd, c.k_pages, c.v_pages, c.pages, pd, c.inv_freq, c.sm_scale,
+                                          rotate=rotate, out=torch.full_like(qd, float("nan")), **cfg)
+                torch.cuda.synchronize()
+                assert not torch.isnan(got).any(), cfg
+                assert rel_err(got, want) < tol(dtype), (cfg, rotate, rel_err(got, want))
     finally:
         mod.POISON_SCRATCH = False
 
@@ -515,13 +510,14 @@ def test_gpu_rotate_copy(dtype):
 @pytest.mark.parametrize("name,kw", [KERNEL_CASES[i] for i in (0, 2, 4, 5)],
                          ids=[KERNEL_CASES[i][0] for i in (0, 2, 4, 5)])
 @pytest.mark.parametrize("rotate", [True, False])
-def test_prefill_interp_tma(interp, name, kw, rotate):
-    """Pages loaded as whole TMA tiles (one page per key block)."""
+def test_decode_interp_tma(interp, name, kw, rotate):
+    """Decode pages loaded as whole TMA tiles, with 16 and 64 query rows per program."""
+    kw = dict(kw, q_lens=[1] * len(kw.get("plan") or [0, 1, 2]))
+    kw.pop("random_qpos", None)
     c = make_case(**kw)
-    PS = c.k_pages.shape[1]
-    want = reference.lazy_prefill(c.q, c.k_pages, c.v_pages, c.pages, c.cu, c.q_pos, c.inv_freq, c.sm_scale,
-                                  rotate=rotate)
-    got = kernels.lazy_prefill(c.q, c.k_pages, c.v_pages, c.pages, c.cu, c.q_pos, c.inv_freq, c.sm_scale,
-                               rotate=rotate, out=torch.full_like(c.q, float("nan")), block_n=PS, tma=True)
-    assert not torch.isnan(got).any(), "unwritten output elements"
-    assert rel_err(got, want) < tol(c.q.dtype), rel_err(got, want)
+    want = reference.lazy_decode(c.q, c.k_pages, c.v_pages, c.pages, c.q_pos, c.inv_freq, c.sm_scale, rotate=rotate)
+    for block_h in (None, 64):
+        got = kernels.lazy_decode(c.q, c.k_pages, c.v_pages, c.pages, c.q_pos, c.inv_freq, c.sm_scale, rotate=rotate,
+                                  out=torch.full_like(c.q, float("nan")), tma=True, block_h=block_h, num_splits=2)
+        assert not torch.isnan(got).any(), "unwritten output elements"
+        assert rel_err(got, want) < tol(c.q.dtype), rel_err(got, want)
