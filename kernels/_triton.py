@@ -379,7 +379,7 @@ def lazy_decode(q, k_pages, v_pages, pages: PageTable, q_pos, inv_freq, sm_scale
     tma = _use_tma(tma, k_pages, v_pages, q.device)
     if tma:
         kk, vv = _page_descriptors(k_pages, v_pages)
-    # 16 rows is the smallest dot tile; 64 (a Hopper warpgroup's) measured 1.4-2x slower
+    # 16 rows is the smallest dot tile; 64 (a Hopper warpgroup's) measured 1.3-1.4x slower
     block_h = block_h or max(16, triton.next_power_of_2(G))
     _decode_split_kernel[(B, Hkv, num_splits)](
         q, kk, vv, op, lse, pages.ids, pages.delta, pages.start, pages.length, pages.count, q_pos, inv_freq,
