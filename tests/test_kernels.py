@@ -371,6 +371,19 @@ def test_decode_interp_wide_table(interp, D):
     assert rel_err(got, want) < tol(c.q.dtype), rel_err(got, want)
 
 
+def test_decode_split_rule(interp):
+    """The split count follows waves of resident programs: at 3 programs per SM on 132 SMs,
+    3 splits for 32 requests x 8 KV heads (2 full waves) and 6 for 8 x 8 (1 wave), the counts
+    measured best on the H200; never more splits than pages, never more than 64."""
+    splits = kernels._triton_module(True)._decode_splits
+    slots = 3 * 132
+    assert splits(32 * 8, 128, slots) == 3
+    assert splits(8 * 8, 512, slots) == 6
+    assert splits(1 * 8, 2048, slots) == 49  # one short request: spread it over the GPU
+    assert splits(8, 5, slots) == 5 and splits(8, 0, slots) == 1
+    assert all(1 <= splits(p, n, slots) <= 64 for p in (1, 7, 256, 4096) for n in (1, 100, 10_000))
+
+
 def test_empty_request_interp(interp):
     """A request with no pages at all (count 0) gets zeros; the others are unaffected."""
     c = make_case(seed=41, H=4, Hkv=2, dtype=torch.float16)
