@@ -21,7 +21,9 @@ is physical page ``ids[b, p]`` with ``length[b, p]`` valid tokens; key ``j`` of 
 position ``start[b, p] + j`` and *logical* position ``start[b, p] + delta[b, p] + j``. So
 ``delta = logical - stored`` (0 for the prompt's own tokens; may be negative or > 65,536).
 The same physical page may appear in several requests with different deltas, and twice in
-one request. Entries at index >= ``count[b]`` are ignored.
+one request. Entries at index >= ``count[b]`` are ignored. Rows past a page's ``length``
+must hold finite values (the kernels read whole pages and give those rows weight 0, and
+0 x NaN is NaN); the engine's pool starts zeroed.
 
 Causal rule: a query at logical position ``m`` sees every valid key of its request whose
 logical position is ``<= m``. Rows that see no key return 0.
@@ -35,9 +37,9 @@ API
     ``rotate=True``: q is UN-rotated; for each page the kernel uses ``R(m - delta) q`` against
     the stored keys, computed as ``R(m0 - delta) R(m - m0) q`` with ``m0`` the query tile's
     first position, and only where the delta changes from one page to the next (the pages of
-    a chunk share one); stored keys are never rotated or copied. ``rotate=False``: q is already rotated at its logical positions
-    and keys are taken as being at logical positions (ordinary paged causal attention; the
-    rotation is compiled out).
+    a chunk share one); stored keys are never rotated or copied. ``rotate=False``: q is
+    already rotated at its logical positions and keys are taken as being at logical
+    positions (ordinary paged causal attention; the rotation is compiled out).
     GQA: ``num_heads`` must be a multiple of ``kv_heads`` (any ratio). The caller must have
     written the request's own new tokens into its own pages (delta 0) beforehand.
 ``lazy_decode(q, k_pages, v_pages, pages, q_pos, inv_freq, sm_scale, rotate=True)``
