@@ -44,15 +44,15 @@ def _query_at(qrows, qmask, qmin, d, invf, HALF: tl.constexpr, DTYPE: tl.constex
 
 
 @triton.jit
-def _page_step(q, p, qpos, qmin, acc, m_i, l_i, K, V, ids_row, delta_row, start_row, len_row, kvh,
+def _page_step(q, p, d, qpos, qmin, acc, m_i, l_i, K, V, ids_row, start_row, len_row, kvh,
                stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, qk_scale,
                DTYPE: tl.constexpr, PS: tl.constexpr, HALF: tl.constexpr,
                PREC: tl.constexpr, IDX64: tl.constexpr, TMA: tl.constexpr):
-    """Online softmax over page entry p: one key block of PS keys."""
+    """Online softmax over page entry p (of delta d): one key block of PS keys."""
     offs_n = tl.arange(0, PS)
     offs_d = tl.arange(0, 2 * HALF)
     pid = tl.load(ids_row + p)
-    k0 = tl.load(start_row + p) + tl.load(delta_row + p)  # logical position of the page's first key
+    k0 = tl.load(start_row + p) + d  # logical position of the page's first key
     n_valid = tl.load(len_row + p)
     if IDX64:
         pid = pid.to(tl.int64)
@@ -104,14 +104,14 @@ def _attn_pages(qrows, qmask, qpos, qmin, invf, acc, m_i, l_i,
         q = tl.load(qrows[:, None] + tl.arange(0, 2 * HALF)[None, :], mask=qmask[:, None], other=0.0).to(DTYPE)
     d_cur = -2147483647 - 1  # no page has delta INT32_MIN: the first page builds the query
     for p in range(p_lo, p_hi):
+        d = tl.load(delta_row + p)
         if ROTATE:
-            d = tl.load(delta_row + p)
             if d != d_cur:
                 q = _query_at(qrows, qmask, qmin, d, invf, HALF, DTYPE)
                 d_cur = d
-        acc, m_i, l_i = _page_step(q, p, qpos, qmin, acc, m_i, l_i, K, V, ids_row, delta_row, start_row,
-                                   len_row, kvh, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt,
-                                   stride_vh, qk_scale, DTYPE, PS, HALF, PREC, IDX64, TMA)
+        acc, m_i, l_i = _page_step(q, p, d, qpos, qmin, acc, m_i, l_i, K, V, ids_row, start_row, len_row, kvh,
+                                   stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, qk_scale,
+                                   DTYPE, PS, HALF, PREC, IDX64, TMA)
     return acc, m_i, l_i
 
 

@@ -9,6 +9,7 @@ GPU copies go on their own CUDA stream.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import OrderedDict, deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -128,8 +129,7 @@ class ChunkCache:
         self.pending: dict[str, tuple[Future, torch.Tensor | None]] = {}
         self.max_prefetch = max_prefetch
         self.stream = torch.cuda.Stream(pool.kv.device) if pool.kv.is_cuda else None
-        s = store.settings
-        self.row_bytes = s.num_layers * 2 * s.num_kv_heads * s.head_dim * pool.kv.element_size()
+        self.row_bytes = math.prod(store.settings.row_shape) * pool.kv.element_size()
         self.staging = None
         chunk_bytes = store.max_padded_length() * self.row_bytes
         if self.pinned and chunk_bytes:  # reads deeper than the buffers wait for one to come back
@@ -209,8 +209,7 @@ class ChunkCache:
         return self.staging.take()
 
     def _read(self, info: ChunkInfo, buf: torch.Tensor | None) -> torch.Tensor:
-        s = self.store.settings
-        shape = (info.padded_length, s.num_layers, 2, s.num_kv_heads, s.head_dim)
+        shape = (info.padded_length, *self.store.settings.row_shape)
         dtype = self.pool.kv.dtype
         if buf is None:  # no staging buffer free (or none fits): pageable memory, a slower copy
             out = torch.empty(shape, dtype=dtype)

@@ -208,20 +208,19 @@ def bench_model(model: str, args, root: Path, save) -> dict:
                 print(f"[{model}] {workload} {mode} round {rnd}: {json.dumps(r)}", flush=True)
 
     alternate("closed", zipf)
-    if args.eager_too:  # the same closed Zipf runs without CUDA graphs: what replaying the decode step buys
-        out["eager"] = []
+    def closed_again(key: str, engine_args: dict, warm: bool = False) -> None:
+        """The closed Zipf runs once more, lazy and block, with one thing changed."""
+        out[key] = []
         for mode in ("lazy", "block"):
-            r = run(dict(kw, cuda_graphs=False), loaded, store, mode, zipf, questions, cache, args.batch_size)
-            out["eager"].append(r)
+            r = run(engine_args, loaded, store, mode, zipf, questions, cache, args.batch_size, warm=warm)
+            out[key].append(r)
             save(out)
-            print(f"[{model}] closed {mode} eager: {json.dumps(r)}", flush=True)
-    if args.warm:  # the same closed Zipf runs on a cache warmed by one untimed pass
-        out["warm"] = []
-        for mode in ("lazy", "block"):
-            r = run(kw, loaded, store, mode, zipf, questions, cache, args.batch_size, warm=True)
-            out["warm"].append(r)
-            save(out)
-            print(f"[{model}] closed {mode} warm: {json.dumps(r)}", flush=True)
+            print(f"[{model}] closed {mode} {key}: {json.dumps(r)}", flush=True)
+
+    if args.eager_too:  # without CUDA graphs: what replaying the decode step buys
+        closed_again("eager", dict(kw, cuda_graphs=False))
+    if args.warm:  # on a cache warmed by one untimed pass
+        closed_again("warm", kw, warm=True)
     if not args.skip_full:
         m = min(n, args.full_requests)
         r = run(kw, loaded, store, "full", zipf[:m], questions[:m], cache, args.batch_size)
