@@ -7,7 +7,9 @@ RoPE is Hugging Face "rotate_half" (non-interleaved): for head_dim ``D``, halves
 ``R(pos) x = [x1*cos - x2*sin, x2*cos + x1*sin]``. ``inv_freq`` is the model's own float32
 [D/2] tensor (it carries the rope scaling); the kernels never recompute it. Rotation maths is
 fp32 (positions are int32, subtracted first, then converted); the rotated query is cast to
-the input dtype for the dot products; accumulation is fp32.
+the input dtype for the dot products; accumulation is fp32. Compiled kernels take cos/sin
+from the GPU's approximations after reducing the angle to [-pi, pi] (within 1e-6 of the
+precise values for angles under 2**17); the interpreter and the reference use precise ones.
 
 Paged KV pool (per layer)
 -------------------------
@@ -35,13 +37,14 @@ API
     rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]`` (int32 [B+1]); ``q_pos`` int32 ``[total_q]``
     logical positions. Returns o ``[total_q, num_heads, D]`` in q's dtype.
     ``rotate=True``: q is UN-rotated; for each page the kernel uses ``R(m - delta) q`` against
-    the stored keys, computed as ``R(m0 - delta) R(m - m0) q`` with ``m0`` the query tile's
-    first position, and only where the delta changes from one page to the next (the pages of
-    a chunk share one); stored keys are never rotated or copied. ``rotate=False``: q is
+    the stored keys, built from q only where the delta changes from one page to the next
+    (the pages of a chunk share one); stored keys are never rotated or copied. ``rotate=False``: q is
     already rotated at its logical positions and keys are taken as being at logical
     positions (ordinary paged causal attention; the rotation is compiled out).
     GQA: ``num_heads`` must be a multiple of ``kv_heads`` (any ratio). The caller must have
     written the request's own new tokens into its own pages (delta 0) beforehand.
+    When the grid would leave the GPU under three quarters full (few heads, short questions,
+    small batches), each tile's pages are split across programs as in decode.
 ``lazy_decode(q, k_pages, v_pages, pages, q_pos, inv_freq, sm_scale, rotate=True)``
     q ``[B, num_heads, D]``, one token per request at ``q_pos[b]`` (int32 [B]); same rules.
     Flash-decoding: each request's pages are split evenly across programs (whatever the
@@ -56,9 +59,10 @@ API
 Both kernels walk a request's pages one page per key block, in one loop (see
 docs/benchmarks.md for what each choice measured). Tuning (keyword-only, Triton path; the
 reference ignores them): ``lazy_prefill`` takes ``max_seqlen_q`` (skips a host sync),
-``block_m``, ``num_warps``, ``num_stages`` and ``out``; ``lazy_decode`` takes ``num_splits``,
+``block_m``, ``num_warps``, ``num_stages``, ``num_splits``, ``maxnreg`` (a register cap per
+thread; 0 for none) and ``out``; ``lazy_decode`` takes ``num_splits``,
 ``block_h`` (query rows per program), ``tma`` (Hopper TMA page loads, needs contiguous pools;
-the default at head dim 128 on Hopper), ``num_warps``, ``num_stages`` and ``out``.
+off by default), ``num_warps``, ``num_stages`` and ``out``.
 Measured on the H200: page size 64 is fastest (docs/benchmarks.md, "## Kernels").
 
 Dispatch: CUDA tensors run the Triton kernels; CPU tensors run ``kernels.reference`` (plain

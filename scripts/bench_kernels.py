@@ -8,9 +8,11 @@ Rows (Llama-3.1-8B attention 32/8/128 and SmolLM2 9/3/64, bf16):
           vs torch SDPA with the equivalent mask on pre-rotated contiguous KV
   rotate_copy bytes/s vs a device-to-device copy measured in the same run
   deferral: rotate=True vs rotate=False on the same data
-Also sweeps page size (16/32/64) and a few launch configurations, and reports the best.
+Also sweeps page size (16/32/64) and a few launch configurations: each row times the
+kernels' defaults (what the engine runs) and notes the fastest alternative when one beat them.
 Prints a table last; writes it as markdown to $OUT/bench_kernels.md when $OUT is set.
-Usage: python scripts/bench_kernels.py [--quick] [--ps64] [--pool-size]
+--splits: only decode, timed at each split count (to check the kernels' split rule).
+Usage: python scripts/bench_kernels.py [--quick] [--ps64] [--pool-size] [--splits]
 """
 from __future__ import annotations
 
@@ -39,6 +41,7 @@ DT = torch.float16 if SMOKE else torch.bfloat16
 QUICK = "--quick" in sys.argv
 PS64 = "--ps64" in sys.argv  # page size 64 only (skip the page-size sweep)
 POOL_SIZE = "--pool-size" in sys.argv  # only: a small pool vs one past 2**31 elements per layer (64-bit offsets)
+SPLITS = "--splits" in sys.argv  # only: decode at each split count
 ROWS: list[dict] = []
 LOG: list[str] = []
 
@@ -139,6 +142,12 @@ class Work:
 
 # ------------------------------------------------------------------------------ rows
 
+def faster(r) -> str:
+    """A note on the fastest alternative configuration, when it beat the defaults."""
+    t, cfg, _ = r["alt"]
+    return f"; {cfg} {t * 1e3:.1f} us" if t < r["t"] else ""
+
+
 def row(name, t_ms, amount, unit, base_ms, limit, note=""):
     ach = amount / (t_ms * 1e-3) / 1e12
     r = dict(name=name, us=t_ms * 1e3, ach=ach, unit=unit, base_us=(base_ms * 1e3 if base_ms else None),
@@ -183,7 +192,7 @@ def decode_rows(tag, H, Hkv, D, B, ctx, PS, copy_bw, cfgs, pool_chunks):
     ref = sdpa(0)
     kv_bytes = 2 * B * ctx * Hkv * D * 2
     t_sdpa = bench([lambda i=i: sdpa(i) for i in range(nset)])
-    best = None
+    results = []  # the first configuration: the defaults
     for cfg in cfgs:
         out = kernels.lazy_decode(qs[0], w.k, w.v, w.pages, qpos, w.invf, scale, **cfg)
         err = rel(out, ref)
@@ -192,12 +201,11 @@ def decode_rows(tag, H, Hkv, D, B, ctx, PS, copy_bw, cfgs, pool_chunks):
         log(f"  decode {tag} PS={PS} cfg={cfg}: {t * 1e3:.1f} us (err vs SDPA {err:.2e})")
         if err > 3e-2:
             log("  !! MISMATCH vs SDPA")
-        if best is None or t < best[0]:
-            best = (t, cfg, err)
-    t, cfg, err = best
+        results.append((t, cfg, err))
+    (t, cfg, err), alt = results[0], min(results, key=lambda r: r[0])
     t_norot = bench([lambda i=i: kernels.lazy_decode(qr[i], w.k, w.v, w.pages, qpos, w.invf, scale, rotate=False,
                                                      **cfg) for i in range(nset)])
-    return dict(t=t, cfg=cfg, err=err, t_sdpa=t_sdpa, t_norot=t_norot, bytes=kv_bytes)
+    return dict(t=t, cfg=cfg, err=err, t_sdpa=t_sdpa, t_norot=t_norot, bytes=kv_bytes, alt=alt)
 
 
 def prefill_rows(tag, H, Hkv, D, B, ctx, q_len, PS, cfgs, pool_chunks):
@@ -240,7 +248,7 @@ def prefill_rows(tag, H, Hkv, D, B, ctx, q_len, PS, cfgs, pool_chunks):
             base = (t, name, ref)
     t_sdpa, base_name, ref = base
     ref = ref.permute(0, 2, 1, 3).reshape(B * q_len, H, D)
-    best = None
+    results = []  # the first configuration: the defaults
     for cfg in cfgs:
         out = kernels.lazy_prefill(qs[0], w.k, w.v, w.pages, cu, qpos, w.invf, scale, max_seqlen_q=q_len, **cfg)
         err = rel(out, ref)
@@ -249,13 +257,12 @@ def prefill_rows(tag, H, Hkv, D, B, ctx, q_len, PS, cfgs, pool_chunks):
         log(f"  prefill {tag} PS={PS} cfg={cfg}: {t * 1e3:.1f} us, {flops / t / 1e9:.0f} TFLOP/s (err {err:.2e})")
         if err > 3e-2:
             log("  !! MISMATCH vs SDPA")
-        if best is None or t < best[0]:
-            best = (t, cfg, err)
-    t, cfg, err = best
+        results.append((t, cfg, err))
+    (t, cfg, err), alt = results[0], min(results, key=lambda r: r[0])
     qrp = [x.permute(0, 2, 1, 3).reshape(B * q_len, H, D).contiguous() for x in qr]
     t_norot = bench([lambda i=i: kernels.lazy_prefill(qrp[i], w.k, w.v, w.pages, cu, qpos, w.invf, scale,
                                                       rotate=False, max_seqlen_q=q_len, **cfg) for i in range(nset)])
-    return dict(t=t, cfg=cfg, err=err, t_sdpa=t_sdpa, base=base_name, t_norot=t_norot, flops=flops)
+    return dict(t=t, cfg=cfg, err=err, t_sdpa=t_sdpa, base=base_name, t_norot=t_norot, flops=flops, alt=alt)
 
 
 def rotate_copy_row(tag, Hkv, D, PS, copy_bw):
@@ -301,10 +308,22 @@ def main():
     mm_lim = f"{mm:.0f} TFLOP/s mm"
 
     # first configs: the defaults; then the alternatives they were chosen over
-    dec_cfgs = [dict(), dict(tma=False), dict(num_splits=3), dict(num_splits=6), dict(num_splits=9)]
-    pre_cfgs = [dict(), dict(num_stages=3), dict(block_m=128)]
+    dec_cfgs = [dict(), dict(tma=True), dict(num_splits=3), dict(num_splits=6), dict(num_splits=9)]
+    pre_cfgs = [dict(), dict(num_stages=2), dict(num_stages=3), dict(maxnreg=0), dict(block_m=128),
+                dict(num_splits=1), dict(num_splits=2), dict(num_splits=4)]
     if QUICK:
         dec_cfgs, pre_cfgs = dec_cfgs[:1], pre_cfgs[:1]
+
+    if SPLITS:
+        counts = [1, 2, 3, 4, 5, 6, 8, 9, 12, 16, 22, 32]
+        for tag, (H, Hkv, D) in (("Llama-8B", (32, 8, 128)), ("SmolLM2", (9, 3, 64))):
+            for B, ctx, pool in ((32, 8192, 64), (8, 32768, 128)):
+                B, ctx, pool = max(1, B // sc), ctx // sc, pool // sc
+                d = decode_rows(tag, H, Hkv, D, B, ctx, 64, copy_bw, [dict()] + [dict(num_splits=n) for n in counts],
+                                pool)
+                row(f"decode {tag} B={B} ctx={ctx}, by split count", d["t"], d["bytes"], "TB/s", d["t_sdpa"],
+                    bw_lim, f"defaults{faster(d)}")
+        return
 
     if POOL_SIZE:
         for pool in (64, 4200):
@@ -335,14 +354,14 @@ def main():
             B, ctx, pool = max(1, B // sc), ctx // sc // (2 if SMOKE and ctx > 8192 else 1), pool // sc
             d = decode_rows(tag, H, Hkv, D, B, ctx, PS, copy_bw, dec_cfgs, pool)
             row(f"decode {tag} B={B} ctx={ctx}", d["t"], d["bytes"], "TB/s", d["t_sdpa"], bw_lim,
-                f"cfg {d['cfg']}, err {d['err']:.1e}")
+                f"defaults{faster(d)}, err {d['err']:.1e}")
             row(f"  deferral: decode {tag} B={B} rotate=False", d["t_norot"], d["bytes"], "TB/s", d["t"], bw_lim,
                 f"cost of deferral {100 * (d['t'] / d['t_norot'] - 1):+.1f}%")
         for B, ctx, ql, pool in ((8, 8192, 128, 64), (4, 16384, 256, 64)):
             B, ctx, ql, pool = max(1, B // sc), ctx // sc // (2 if SMOKE and ctx > 8192 else 1), ql // sc, pool // sc
             p = prefill_rows(tag, H, Hkv, D, B, ctx, ql, PS, pre_cfgs, pool)
             row(f"prefill {tag} {B}x{ql} over {ctx}", p["t"], p["flops"], "TFLOP/s", p["t_sdpa"], mm_lim,
-                f"cfg {p['cfg']}, SDPA={p['base']}, err {p['err']:.1e}")
+                f"defaults{faster(p)}, SDPA={p['base']}, err {p['err']:.1e}")
             row(f"  deferral: prefill {tag} {B}x{ql} rotate=False", p["t_norot"], p["flops"], "TFLOP/s", p["t"],
                 mm_lim, f"cost of deferral {100 * (p['t'] / p['t_norot'] - 1):+.1f}%")
         rc = rotate_copy_row(tag, Hkv, D, PS, copy_bw)

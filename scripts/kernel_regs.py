@@ -27,18 +27,39 @@ from kernels import _triton as kt  # noqa: E402
 
 POINTERS = {**{n: "*bf16" for n in ("Q", "K", "V", "O")},
             **{n: "*i32" for n in ("IDS", "DELTA", "START", "LEN", "COUNT", "CU", "QPOS")},
-            **{n: "*fp32" for n in ("INVF", "OP", "LSE", "QR")}}
+            **{n: "*fp32" for n in ("INVF", "OP", "LSE")}}
+# (query heads, KV heads) of the benchmark's models, by head dim: Llama-3.1-8B and SmolLM2
+HEADS = {128: (32, 8), 64: (9, 3)}
 
 
-def resources(kernel, constexprs: dict, num_warps: int, num_stages: int, arch: int, tma_block=None) -> dict:
+def launch_ints(D: int, PS: int) -> dict:
+    """The integer arguments a launch passes for these shapes (contiguous tensors)."""
+    H, Hkv = HEADS[D]
+    return dict(stride_qt=H * D, stride_qb=H * D, stride_qh=D, stride_ot=H * D, stride_oh=D,
+                stride_kp=PS * Hkv * D, stride_vp=PS * Hkv * D, stride_kt=Hkv * D, stride_vt=Hkv * D,
+                stride_kh=D, stride_vh=D, num_heads=H)
+
+
+def resources(kernel, constexprs: dict, num_warps: int, num_stages: int, arch: int, tma_block=None,
+              maxnreg=None) -> dict:
     names = kernel.arg_names
     sig = {n: POINTERS.get(n, "constexpr" if n in constexprs else "fp32" if n == "qk_scale" else "i32")
            for n in names}
     if tma_block:  # K and V as TMA descriptors of [rows, columns] blocks
         sig.update(K=f"tensordesc<bf16{list(tma_block)}>", V=f"tensordesc<bf16{list(tma_block)}>")
-    src = ASTSource(fn=kernel, signature=sig, constexprs={(names.index(n),): v for n, v in constexprs.items()})
+    # specialise as a launch does: a launch marks 16-byte-aligned pointers and integers that
+    # are multiples of 16 (unless do_not_specialize), and the pipeliner copies a tile
+    # asynchronously only when it can prove its alignment; without these marks the numbers
+    # describe a kernel that never runs
+    ints = launch_ints(2 * constexprs["HALF"], constexprs["PS"])
+    keep = set(kernel.do_not_specialize)
+    aligned = [n for n in names if sig[n].startswith("*")
+               or (n in ints and n not in keep and ints[n] % 16 == 0)]
+    src = ASTSource(fn=kernel, signature=sig, constexprs={(names.index(n),): v for n, v in constexprs.items()},
+                    attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
     compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                              options=dict(num_warps=num_warps, num_stages=num_stages))
+                              options=dict(num_warps=num_warps, num_stages=num_stages,
+                                           **({"maxnreg": maxnreg} if maxnreg else {})))
     with tempfile.TemporaryDirectory() as tmp:
         ptx = Path(tmp) / "k.ptx"
         ptx.write_text(compiled.asm["ptx"])
@@ -46,12 +67,17 @@ def resources(kernel, constexprs: dict, num_warps: int, num_stages: int, arch: i
         info = subprocess.run([get_ptxas(arch).path, "-v", f"--gpu-name=sm_{arch}a", str(ptx), "-o", str(Path(tmp) / "k.cubin")],
                               capture_output=True, text=True, check=True).stderr
     regs = re.search(r"Used (\d+) registers", info)
+    # K/V tiles the software pipeliner loads asynchronously (cp.async or TMA): none means each
+    # page waits on its own load
+    async_tiles = len(re.findall(r"ttng\.async_tma_copy_global_to_local|"
+                                 r"ttg\.async_copy_global_to_local .*tensor<\d+x\d+x!tt\.ptr", compiled.asm["ttgir"]))
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", info)
     n_regs = int(regs.group(1)) if regs else 0
     return {"registers": n_regs,
             "spill_stores": int(spills.group(1)) if spills else 0,
             "spill_loads": int(spills.group(2)) if spills else 0,
             "shared": compiled.metadata.shared,
+            "async_tiles": async_tiles,
             "programs_per_sm": programs_per_sm(n_regs, compiled.metadata.shared, num_warps)}
 
 
@@ -69,23 +95,33 @@ def main() -> None:
     bf16 = triton.language.bfloat16
     rows = []
     for D in (128, 64):
+        group = HEADS[D][0] // HEADS[D][1]
         for rotate in (True, False):
-            for bm, warps in ((64, 4), (128, 8)):
-                c = dict(GROUP=4, DTYPE=bf16, PS=64, HALF=D // 2, BLOCK_M=bm, ROTATE=rotate, PREC="tf32", IDX64=False)
-                rows.append(("prefill", D, rotate, f"{bm} rows, {warps} warps",
-                             resources(kt._prefill_kernel, c, warps, 2, args.arch)))
+            # lazy_prefill's defaults (64 rows, 4 warps, PREFILL_TUNING), then 128 rows, 8 warps
+            tuning = kt.PREFILL_TUNING[D]
+            stages, cap = tuning.get("num_stages", 2), tuning.get("maxnreg")
+            for bm, warps, default in ((64, 4, True), (128, 8, False)):
+                c = dict(GROUP=group, DTYPE=bf16, PS=64, HALF=D // 2, BLOCK_M=bm, ROTATE=rotate, PREC="tf32",
+                         IDX64=False, SPLIT=False)
+                label = f"{'default: ' if default else ''}{bm} rows, {warps} warps, {stages} stages" + \
+                    (f", maxnreg {cap}" if default and cap else "")
+                rows.append(("prefill", D, rotate, label,
+                             resources(kt._prefill_kernel, c, warps, stages, args.arch, maxnreg=cap if default else None)))
             warps = 8 if D == 64 else 4  # lazy_decode's default
             for tma in ((True, False) if D == 128 else (False,)):
-                c = dict(GROUP=4, DTYPE=bf16, PS=64, HALF=D // 2, BLOCK_H=16, ROTATE=rotate, PREC="tf32",
+                c = dict(GROUP=group, DTYPE=bf16, PS=64, HALF=D // 2, BLOCK_H=16, ROTATE=rotate, PREC="tf32",
                          IDX64=False, TMA=tma)
                 r = resources(kt._decode_split_kernel, c, warps, 2, args.arch, (64, D) if tma else None)
-                rows.append(("decode", D, rotate, f"16 rows, {warps} warps{', TMA' if tma else ''}", r))
-    print(f"sm_{args.arch}a, triton {triton.__version__}, bf16, page size 64, 2 stages\n")
-    print("| kernel | head dim | rotate | config | registers | spill stores / loads (bytes) | shared (bytes) | programs/SM |")
-    print("|---|---|---|---|---|---|---|---|")
+                default = not tma
+                rows.append(("decode", D, rotate,
+                             f"{'default: ' if default else ''}16 rows, {warps} warps, 2 stages{', TMA' if tma else ''}", r))
+    print(f"sm_{args.arch}a, triton {triton.__version__}, bf16, page size 64\n")
+    print("| kernel | head dim | rotate | config | registers | spill stores / loads (bytes) | shared (bytes) | "
+          "programs/SM | async tile loads |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for kernel, D, rotate, cfg, r in rows:
         print(f"| {kernel} | {D} | {rotate} | {cfg} | {r['registers']} | {r['spill_stores']} / {r['spill_loads']} | "
-              f"{r['shared']} | {r['programs_per_sm']} |")
+              f"{r['shared']} | {r['programs_per_sm']} | {r['async_tiles']} |")
 
 
 if __name__ == "__main__":

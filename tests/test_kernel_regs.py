@@ -27,8 +27,15 @@ def test_kernel_regs_table():
         regs = int(row[4])
         stores, loads = (int(x) for x in row[5].split("/"))
         assert 0 < regs <= 255 and stores >= 0 and loads >= 0 and int(row[6]) > 0 and int(row[7]) >= 1
-    # lazy_decode sizes its split count by the resident programs per SM it assumes: those of
-    # its default configuration at head dim 128 (TMA), as ptxas allocates them
-    from_ptxas = [int(r[7]) for r in rows if r[0] == "decode" and r[1:4] == ["128", "True", "16 rows, 4 warps, TMA"]]
-    assumed = re.search(r"DECODE_PROGRAMS_PER_SM = (\{[^}]*\})", (ROOT / "kernels" / "_triton.py").read_text())
-    assert from_ptxas == [ast.literal_eval(assumed.group(1))[128]]
+        # compiled as a launch specialises it, every kernel's key loop loads its K/V tiles
+        # asynchronously (compiled without the launch's alignment marks, none does)
+        assert int(row[8]) >= 2, row
+    # lazy_prefill and lazy_decode size their split counts by the resident programs per SM
+    # they assume: those of their default configurations at each head dim (decode: TMA at 128),
+    # as ptxas allocates them
+    source = (ROOT / "kernels" / "_triton.py").read_text()
+    for kernel in ("prefill", "decode"):
+        from_ptxas = {int(r[1]): int(r[7]) for r in rows
+                      if r[0] == kernel and r[2] == "True" and r[3].startswith("default:")}
+        assumed = re.search(kernel.upper() + r"_PROGRAMS_PER_SM = (\{[^}]*\})", source)
+        assert from_ptxas == ast.literal_eval(assumed.group(1)), kernel

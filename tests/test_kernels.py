@@ -330,6 +330,19 @@ def test_prefill_interp_wide_tile(interp, name, kw):
     assert rel_err(got, want) < tol(c.q.dtype), rel_err(got, want)
 
 
+@pytest.mark.parametrize("name,kw", KERNEL_CASES, ids=[k[0] for k in KERNEL_CASES])
+@pytest.mark.parametrize("splits", [2, 5])
+def test_prefill_interp_splits(interp, name, kw, splits):
+    """Each tile's pages split across programs and merged: splits past the page count (empty
+    splits) and splits where a row sees no unmasked key included."""
+    c = make_case(**kw)
+    want = reference.lazy_prefill(c.q, c.k_pages, c.v_pages, c.pages, c.cu, c.q_pos, c.inv_freq, c.sm_scale)
+    got = kernels.lazy_prefill(c.q, c.k_pages, c.v_pages, c.pages, c.cu, c.q_pos, c.inv_freq, c.sm_scale,
+                               out=torch.full_like(c.q, float("nan")), num_splits=splits)
+    assert not torch.isnan(got).any(), "unwritten output elements"
+    assert rel_err(got, want) < tol(c.q.dtype), rel_err(got, want)
+
+
 @pytest.mark.parametrize("name,kw", KERNEL_CASES[:6], ids=[k[0] for k in KERNEL_CASES[:6]])
 @pytest.mark.parametrize("splits", [None, 3])
 def test_decode_interp(interp, name, kw, splits):
@@ -371,17 +384,21 @@ def test_decode_interp_wide_table(interp, D):
     assert rel_err(got, want) < tol(c.q.dtype), rel_err(got, want)
 
 
-def test_decode_split_rule(interp):
-    """The split count follows waves of resident programs: at 3 programs per SM on 132 SMs,
-    3 splits for 32 requests x 8 KV heads (2 full waves) and 6 for 8 x 8 (1 wave), the counts
-    measured best on the H200; never more splits than pages, never more than 64."""
-    splits = kernels._triton_module(True)._decode_splits
+def test_split_rule(interp):
+    """The split count follows waves of resident programs. Decode at 3 programs per SM on 132
+    SMs: 3 splits for 32 requests x 8 KV heads (2 full waves) and 6 for 8 x 8 (1 wave), the
+    counts measured best on the H200. Prefill at 2 per SM: Llama-8B's 8 x 2 tiles x 32 heads
+    fill the GPU unsplit; SmolLM2's 9 heads leave it under 3/4 full, so they are split. Never
+    more splits than pages, never more than 64."""
+    splits = kernels._triton_module(True)._num_splits
     slots = 3 * 132
     assert splits(32 * 8, 128, slots) == 3
     assert splits(8 * 8, 512, slots) == 6
     assert splits(1 * 8, 2048, slots) == 49  # one short request: spread it over the GPU
     assert splits(8, 5, slots) == 5 and splits(8, 0, slots) == 1
     assert all(1 <= splits(p, n, slots) <= 64 for p in (1, 7, 256, 4096) for n in (1, 100, 10_000))
+    assert splits(32 * 8 * 2, 130, 2 * 132) == 1
+    assert splits(9 * 8 * 2, 130, 2 * 132) > 1
 
 
 def test_empty_request_interp(interp):
@@ -457,9 +474,9 @@ GPU_CASES = [(torch.bfloat16, 32, 8, 128, 16), (torch.bfloat16, 32, 8, 128, 64),
              (torch.bfloat16, 24, 8, 128, 64), (torch.float16, 32, 8, 128, 16), (torch.float16, 8, 8, 64, 16)]
 
 
-# the defaults (TMA at head dim 128 on Hopper) and every alternative the kernels still offer
-PREFILL_VARIANTS = [dict(), dict(block_m=128)]
-DECODE_VARIANTS = [dict(), dict(tma=False), dict(num_splits=5)]
+# the defaults and every alternative the kernels still offer
+PREFILL_VARIANTS = [dict(), dict(block_m=128), dict(num_splits=3), dict(num_stages=2, maxnreg=0)]
+DECODE_VARIANTS = [dict(), dict(tma=True), dict(num_splits=5)]
 
 
 @pytest.mark.gpu
@@ -499,6 +516,31 @@ def test_gpu_prefill_decode(dtype, H, Hkv, D, PS):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("first,then", [(1, 3), (3, 1)])
+def test_gpu_prefill_split_twin_compiled_with_first_launch(monkeypatch, first, then):
+    """A prefill launch compiles its split (or unsplit) twin too: a serving run that meets the
+    other variant later must not stall on a compile. The launch configurations (4 and 5
+    stages) are ones no other test uses, so only this feature can have compiled the twin."""
+    import triton as _triton
+
+    compiled = []
+    c = _to(_gpu_case(5, 8, 2, 64, 64, torch.float32, n_req=2, q_len=9, chunk_len=200, n_chunks=3), torch.float16)
+    monkeypatch.setattr(_triton.knobs.runtime, "jit_post_compile_hook", lambda **kw: compiled.append(kw["repr"]))
+    stages = {1: 4, 3: 5}[first]  # a distinct configuration per parameter set
+    kernels.lazy_prefill(c.q, c.k_pages, c.v_pages, c.pages, c.cu, c.q_pos, c.inv_freq, c.sm_scale,
+                         num_stages=stages, num_splits=first)
+    assert sum("_prefill_kernel" in r for r in compiled) == 2, compiled  # the launch and its twin
+    compiled.clear()
+    got = kernels.lazy_prefill(c.q, c.k_pages, c.v_pages, c.pages, c.cu, c.q_pos, c.inv_freq, c.sm_scale,
+                               num_stages=stages, num_splits=then)
+    torch.cuda.synchronize()
+    assert not any("_prefill_kernel" in r for r in compiled), compiled
+    want = reference.lazy_prefill(c.q, c.k_pages, c.v_pages, c.pages, c.cu, c.q_pos, c.inv_freq, c.sm_scale)
+    assert rel_err(got, want) < tol(torch.float16)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_gpu_rotate_copy(dtype):
     g = torch.Generator().manual_seed(7)
@@ -518,6 +560,11 @@ def test_gpu_rotate_copy(dtype):
     assert not torch.isnan(dk[d]).any()
     assert rel_err(dk[d], rk[d]) < tol(dtype)
     assert torch.equal(dv[d], rv[d])
+    if dtype == torch.float32:
+        # compiled kernels take cos/sin from range-reduced hardware approximations (_cos_sin),
+        # within 1e-6 of the precise values at these angles (deltas up to 1e5): a key pair of
+        # norm <= 8 moves by under 1e-5 (without the reduction the error would be ~1e-1)
+        assert (dk[d] - rk[d]).abs().max().item() < 2e-5
 
 
 @pytest.mark.parametrize("name,kw", [KERNEL_CASES[i] for i in (0, 2, 4, 5)],
