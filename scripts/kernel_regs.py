@@ -64,8 +64,8 @@ def resources(kernel, constexprs: dict, num_warps: int, num_stages: int, arch: i
         ptx = Path(tmp) / "k.ptx"
         ptx.write_text(compiled.asm["ptx"])
         # the ptxas this Triton version compiles with (the PTX it emits may be too new for another)
-        info = subprocess.run([get_ptxas(arch).path, "-v", f"--gpu-name=sm_{arch}a", str(ptx), "-o", str(Path(tmp) / "k.cubin")],
-                              capture_output=True, text=True, check=True).stderr
+        cmd = [get_ptxas(arch).path, "-v", f"--gpu-name=sm_{arch}a", str(ptx), "-o", str(Path(tmp) / "k.cubin")]
+        info = subprocess.run(cmd, capture_output=True, text=True, check=True).stderr
     regs = re.search(r"Used (\d+) registers", info)
     # K/V tiles the software pipeliner loads asynchronously (cp.async or TMA): none means each
     # page waits on its own load
@@ -103,18 +103,18 @@ def main() -> None:
             for bm, warps, default in ((64, 4, True), (128, 8, False)):
                 c = dict(GROUP=group, DTYPE=bf16, PS=64, HALF=D // 2, BLOCK_M=bm, ROTATE=rotate, PREC="tf32",
                          IDX64=False, SPLIT=False)
-                label = f"{'default: ' if default else ''}{bm} rows, {warps} warps, {stages} stages" + \
-                    (f", maxnreg {cap}" if default and cap else "")
-                rows.append(("prefill", D, rotate, label,
-                             resources(kt._prefill_kernel, c, warps, stages, args.arch, maxnreg=cap if default else None)))
+                cap_here = cap if default else None
+                label = (f"{'default: ' if default else ''}{bm} rows, {warps} warps, {stages} stages"
+                         f"{f', maxnreg {cap_here}' if cap_here else ''}")
+                r = resources(kt._prefill_kernel, c, warps, stages, args.arch, maxnreg=cap_here)
+                rows.append(("prefill", D, rotate, label, r))
             warps = 8 if D == 64 else 4  # lazy_decode's default
             for tma in ((True, False) if D == 128 else (False,)):
                 c = dict(GROUP=group, DTYPE=bf16, PS=64, HALF=D // 2, BLOCK_H=16, ROTATE=rotate, PREC="tf32",
                          IDX64=False, TMA=tma)
                 r = resources(kt._decode_split_kernel, c, warps, 2, args.arch, (64, D) if tma else None)
-                default = not tma
-                rows.append(("decode", D, rotate,
-                             f"{'default: ' if default else ''}16 rows, {warps} warps, 2 stages{', TMA' if tma else ''}", r))
+                label = f"{'' if tma else 'default: '}16 rows, {warps} warps, 2 stages{', TMA' if tma else ''}"
+                rows.append(("decode", D, rotate, label, r))
     print(f"sm_{args.arch}a, triton {triton.__version__}, bf16, page size 64\n")
     print("| kernel | head dim | rotate | config | registers | spill stores / loads (bytes) | shared (bytes) | "
           "programs/SM | async tile loads |")
