@@ -43,8 +43,8 @@ API
     positions (ordinary paged causal attention; the rotation is compiled out).
     GQA: ``num_heads`` must be a multiple of ``kv_heads`` (any ratio). The caller must have
     written the request's own new tokens into its own pages (delta 0) beforehand.
-    When the grid would leave the GPU under three quarters full (few heads, short questions,
-    small batches), each tile's pages are split across programs as in decode.
+    When the grid would leave the GPU partly idle (few heads, short questions, small
+    batches), each tile's pages are split across programs as in decode (one split rule).
 ``lazy_decode(q, k_pages, v_pages, pages, q_pos, inv_freq, sm_scale, rotate=True)``
     q ``[B, num_heads, D]``, one token per request at ``q_pos[b]`` (int32 [B]); same rules.
     Flash-decoding: each request's pages are split evenly across programs (whatever the

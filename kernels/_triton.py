@@ -150,6 +150,15 @@ def _attn_pages(qrows, qmask, qpos, qmin, invf, acc, m_i, l_i,
     return acc, m_i, l_i
 
 
+@triton.jit
+def _split_range(n_pages, num_splits, sp):
+    """Page entries [lo, hi) of split sp: a request's own pages split evenly (not the table's
+    width: a CUDA graph captures one wide table for requests of any length)."""
+    per_split = tl.cdiv(n_pages, num_splits)
+    lo = sp * per_split
+    return lo, tl.minimum(lo + per_split, n_pages)
+
+
 @triton.jit(do_not_specialize=["stride_tb", "num_splits"])
 def _prefill_kernel(Q, K, V, O, OP, LSE, IDS, DELTA, START, LEN, COUNT, CU, QPOS, INVF,
                     stride_qt, stride_qh, stride_kp, stride_kt, stride_kh,
@@ -165,6 +174,7 @@ def _prefill_kernel(Q, K, V, O, OP, LSE, IDS, DELTA, START, LEN, COUNT, CU, QPOS
     head = tl.program_id(0)
     b = tl.program_id(1)
     tile = tl.program_id(2) // num_splits if SPLIT else tl.program_id(2)
+    sp = tl.program_id(2) % num_splits if SPLIT else 0
     q_start = tl.load(CU + b)
     q_end = tl.load(CU + b + 1)
     if q_start + tile * BLOCK_M < q_end:
@@ -186,9 +196,7 @@ def _prefill_kernel(Q, K, V, O, OP, LSE, IDS, DELTA, START, LEN, COUNT, CU, QPOS
         hi = n_pages
         if SPLIT:  # (unsplit, the walk keeps its fixed start: runtime bounds took the
             # rotation-free kernel from 208 to 229 registers and measured it 5-18% slower)
-            per_split = tl.cdiv(n_pages, num_splits)
-            lo = tl.program_id(2) % num_splits * per_split
-            hi = tl.minimum(lo + per_split, n_pages)
+            lo, hi = _split_range(n_pages, num_splits, sp)
         acc, m_i, l_i = _attn_pages(qrows, mmask, qpos, qmin, invf, acc, m_i, l_i,
                                     K, V, IDS + tb, DELTA + tb, START + tb, LEN + tb, kvh, lo, hi,
                                     stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
@@ -196,8 +204,8 @@ def _prefill_kernel(Q, K, V, O, OP, LSE, IDS, DELTA, START, LEN, COUNT, CU, QPOS
         l_safe = tl.where(l_i > 0, l_i, 1.0)
         o = tl.where(l_i[:, None] > 0, acc / l_safe[:, None], 0.0)
         if SPLIT:
-            _store_partial(OP, LSE, o, m_i, l_i, tok.to(tl.int64) * tl.num_programs(0) + head, num_splits,
-                           tl.program_id(2) % num_splits, mmask, offs_d)
+            _store_partial(OP, LSE, o, m_i, l_i, tok.to(tl.int64) * tl.num_programs(0) + head, num_splits, sp,
+                           mmask, offs_d)
         else:
             orow = tok.to(tl.int64) * stride_ot + head * stride_oh
             tl.store(O + orow[:, None] + offs_d[None, :], o.to(O.dtype.element_ty), mask=mmask[:, None])
@@ -234,12 +242,7 @@ def _decode_split_kernel(Q, K, V, OP, LSE, IDS, DELTA, START, LEN, COUNT, QPOS, 
     qmin = tl.load(QPOS + b)  # one token: every row (query head) is at the same position
     qpos = qmin + offs_g * 0
     invf = tl.load(INVF + offs_h)
-    n_pages = tl.load(COUNT + b)
-    # each request's own pages split evenly (not the table's width: a CUDA graph captures one
-    # wide table for requests of any length)
-    per_split = tl.cdiv(n_pages, num_splits)
-    lo = sp * per_split
-    hi = tl.minimum(lo + per_split, n_pages)
+    lo, hi = _split_range(tl.load(COUNT + b), num_splits, sp)
     acc = tl.zeros([BLOCK_H, 2 * HALF], dtype=tl.float32)
     m_i = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -379,14 +382,12 @@ def _num_splits(n_programs: int, max_splits: int, slots: int) -> int:
 
     Time ~ waves x (a split's share of the walk + a fixed cost), since a last wave that fills
     part of the GPU costs as much as a full one; the fixed cost (prologue, partial write,
-    merge) is taken as 1/32 of the walk (4 pages of an 8K context). Below 3/4 of the slots,
-    though, SMs are left with a single program that cannot hide its own loads, so the grid
-    is split at least that far. Decode: 3 splits at 32 x 8K (2 waves), 6 at 8 x 32K (1),
-    each measured best; prefill is not split at those sizes for Llama-8B's 32 heads, and is
-    for SmolLM2's 9 (docs/benchmarks.md)."""
-    top = max(1, min(64, max_splits))
-    least = min(top, triton.cdiv(3 * slots, 4 * n_programs))
-    return min(range(least, top + 1), key=lambda s: (triton.cdiv(n_programs * s, slots) * (1 / s + 1 / 32), s))
+    merge) is taken as 1/32 of the walk (4 pages of an 8K context). A grid that leaves
+    slots idle is thus split until it fills them. Decode: 3 splits at 32 x 8K (2 waves), 6 at
+    8 x 32K (1), each measured best. Prefill: Llama-8B's 32 heads fill the GPU unsplit at the
+    benchmark's sizes; SmolLM2's 9 heads are split 5 ways (docs/benchmarks.md)."""
+    return min(range(1, max(1, min(64, max_splits)) + 1),
+               key=lambda s: (triton.cdiv(n_programs * s, slots) * (1 / s + 1 / 32), s))
 
 
 def lazy_prefill(q, k_pages, v_pages, pages: PageTable, cu_seqlens_q, q_pos, inv_freq, sm_scale, rotate=True,
@@ -440,7 +441,7 @@ def _compile_split_twin(args, meta, split: bool) -> None:
     Whether a batch is split depends on its size, so a serving run meets the second variant
     only when a small batch (or a large one) first comes along, and would stall there for the
     second or so Triton takes to compile it."""
-    key = (tuple(sorted((k, str(v)) for k, v in meta.items())), str(args[0].device))
+    key = (*meta.values(), args[0].device)  # meta: built in one order by lazy_prefill
     if INTERPRETED or key in _TWINS_COMPILED:
         return
     _TWINS_COMPILED.add(key)
