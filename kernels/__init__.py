@@ -73,6 +73,7 @@ must then have been imported with TRITON_INTERPRET=1 set).
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import sys
@@ -147,13 +148,27 @@ def _fix_interpreter_index() -> None:
     _interp._patch_lang_tensor = patched
 
 
+_cpu = {"backend": "reference"}
+
+
+@contextlib.contextmanager
+def cpu_backend(name: str):
+    """Run calls on CPU tensors with 'reference' (the default) or 'triton' (the Triton interpreter,
+    which needs TRITON_INTERPRET=1 set before triton is first imported)."""
+    if name not in ("reference", "triton"):
+        raise ValueError(f"cpu backend must be 'reference' or 'triton', got {name!r}")
+    old, _cpu["backend"] = _cpu["backend"], name
+    try:
+        yield
+    finally:
+        _cpu["backend"] = old
+
+
 def backend(t: Tensor) -> str:
     """Which implementation a call on tensor ``t`` uses: 'triton', 'triton-interpret' or 'reference'."""
     if t.is_cuda:
         return "triton"
-    if _interpret_requested():
-        return "triton-interpret"
-    return "reference"
+    return "triton-interpret" if _cpu["backend"] == "triton" else "reference"
 
 
 def _impl(t: Tensor):

@@ -61,7 +61,7 @@ def index(
     Re-running adds only chunks that are not stored yet; an interrupted run resumes.
     A store built with another model or other settings is refused.
     """
-    from lazyrag.indexer import build_index
+    from lazyrag.commands.index import build_index
 
     cfg = config.IndexConfig(corpus=corpus, store=store, model=model, device=device, dtype=dtype,
                              chunk_tokens=chunk_tokens, page_size=page_size, batch_tokens=batch_tokens,
@@ -111,7 +111,7 @@ def answer(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
 ):
     """Answer a file of questions from the store; one JSON line per answer, in finishing order."""
-    from lazyrag.answering import QueryError, answer_file
+    from lazyrag.commands.answer import QueryError, answer_file
 
     if mode not in config.MODES:
         _fail(ValueError(f"--mode must be one of {', '.join(config.MODES)}"), 2)
@@ -127,7 +127,7 @@ def answer(
     if as_json:
         print(json.dumps({**result.record, "skipped_already_answered": result.skipped}))
         return
-    from lazyrag.report import render_run
+    from lazyrag.commands.stats import render_run
 
     if result.skipped:
         out.print(f"{result.skipped} queries were already answered in {out_path}; skipped")
@@ -137,7 +137,7 @@ def answer(
 @app.command()
 def stats(store: Path = StoreOpt, as_json: bool = JsonOpt):
     """Show the store, and each `answer` run's cache hit ratio, latency and quality."""
-    from lazyrag.report import render_stats, stats_json
+    from lazyrag.commands.stats import render_stats, stats_json
 
     try:
         data = stats_json(store)

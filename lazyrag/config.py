@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 from pathlib import Path
 
 DEFAULT_STORE = Path("lazyrag.zarr")
@@ -44,4 +45,12 @@ class AnswerConfig:
     trust_remote_code: bool = False
 
 
-MODES = ("lazy", "block", "full")
+class Mode(str, Enum):
+    """How a request's chunks are placed (lazyrag/serve/modes.py has one class per mode)."""
+
+    LAZY = "lazy"    # shared chunk pages, positions applied inside the kernels
+    BLOCK = "block"  # Block-Attention: a private copy of each chunk, keys re-rotated
+    FULL = "full"    # recompute the whole prompt: the quality reference
+
+
+MODES = tuple(m.value for m in Mode)

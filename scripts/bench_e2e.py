@@ -74,7 +74,7 @@ def zipf_docs(rng: random.Random, alpha: float | None, n: int) -> list[list[str]
 
 def build_store(model: str, root: Path) -> tuple[Path, dict]:
     from lazyrag.config import IndexConfig
-    from lazyrag.indexer import build_index
+    from lazyrag.commands.index import build_index
 
     rng = random.Random(0)
     corpus = root / "corpus.jsonl"
@@ -90,8 +90,8 @@ def run(engine_args: dict, loaded, store, mode: str, prompts, questions, cache_g
         arrivals: list[float] | None = None, warm: bool = False) -> dict:
     """One timed run on a fresh engine. warm: first answer the same requests once, untimed, so
     the timed pass finds the cache as a long-running server would (no first reads from disk)."""
-    from lazyrag import metrics
-    from lazyrag.engine import Engine, Request
+    from lazyrag.eval import scoring as metrics
+    from lazyrag.serve.engine import Engine, Request
 
     engine = Engine(loaded, store, mode, cache_gb * 2**30, batch_size, stop_at_eos=False, **engine_args)
     chunks = {d: store.doc_chunks(d) for d in {d for p in prompts for d in p}}

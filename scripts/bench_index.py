@@ -27,7 +27,7 @@ import torch  # noqa: E402
 
 from lazyrag.config import IndexConfig  # noqa: E402
 from lazyrag.corpus import chunk_document, read_corpus  # noqa: E402
-from lazyrag.indexer import ChunkEncoder, _batches, build_index, store_settings  # noqa: E402
+from lazyrag.commands.index import ChunkEncoder, _batches, build_index, store_settings  # noqa: E402
 from lazyrag.models import load_model  # noqa: E402
 from lazyrag.store import NewChunk, Store  # noqa: E402
 

@@ -33,8 +33,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import triton  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
-import kernels  # noqa: E402
-from kernels import PageTable  # noqa: E402
+from lazyrag import kernels  # noqa: E402
+from lazyrag.kernels import PageTable  # noqa: E402
 
 DEV = "cpu" if SMOKE else "cuda"
 DT = torch.float16 if SMOKE else torch.bfloat16

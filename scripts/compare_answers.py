@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from lazyrag import metrics  # noqa: E402
+from lazyrag.eval import scoring as metrics  # noqa: E402
 
 
 def load(path: Path) -> dict[str, dict]:

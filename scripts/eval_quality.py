@@ -25,13 +25,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from lazyrag import metrics  # noqa: E402
-from lazyrag.answering import answer_file, read_queries, resolve_chunks  # noqa: E402
+from lazyrag.eval import scoring as metrics  # noqa: E402
+from lazyrag.commands.answer import answer_file, read_queries, resolve_chunks  # noqa: E402
 from lazyrag.config import AnswerConfig, IndexConfig  # noqa: E402
-from lazyrag.engine import Engine, Request  # noqa: E402
-from lazyrag.indexer import build_index  # noqa: E402
+from lazyrag.serve.engine import Engine, Request  # noqa: E402
+from lazyrag.commands.index import build_index  # noqa: E402
 from lazyrag.models import load_model  # noqa: E402
-from lazyrag.prompt import PromptFormat  # noqa: E402
+from lazyrag.models.prompt import PromptFormat  # noqa: E402
 from lazyrag.store import Store  # noqa: E402
 
 MODES = ("full", "lazy", "block")

@@ -23,7 +23,7 @@ from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from kernels import _triton as kt  # noqa: E402
+from lazyrag.kernels import _triton as kt  # noqa: E402
 
 POINTERS = {**{n: "*bf16" for n in ("Q", "K", "V", "O")},
             **{n: "*i32" for n in ("IDS", "DELTA", "START", "LEN", "COUNT", "CU", "QPOS")},

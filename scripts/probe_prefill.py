@@ -23,8 +23,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_kernels as bk  # noqa: E402
 from bench_kernels import bench, log  # noqa: E402
 
-import kernels  # noqa: E402
-from kernels import PageTable  # noqa: E402
+from lazyrag import kernels  # noqa: E402
+from lazyrag.kernels import PageTable  # noqa: E402
 
 
 def one_run_table(p: PageTable) -> PageTable:

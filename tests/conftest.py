@@ -1,6 +1,13 @@
+"""Shared fixtures. Without a CUDA GPU, Triton runs under its interpreter: it decides that when it
+is first imported, so the variable is set here, before any test module imports it."""
+
+import os
 
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config, items):

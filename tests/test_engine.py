@@ -7,12 +7,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from lazyrag.cache import ChunkCache
+from lazyrag.serve.cache import ChunkCache
 from lazyrag.config import IndexConfig
-from lazyrag.engine import Engine, Request
-from lazyrag.indexer import build_index
-from lazyrag.paged import DELTA, PAGE, PagedAttention, PagePool, StepInputs, StepLayout, copy_step, pack_step
-from lazyrag.prompt import PromptFormat
+from lazyrag.serve.engine import Engine, Request
+from lazyrag.commands.index import build_index
+from lazyrag.serve.paged import DELTA, PAGE, PagedAttention, PagePool, StepInputs, StepLayout, copy_step, pack_step
+from lazyrag.models.prompt import PromptFormat
 from lazyrag.store import Store
 
 DOCS = {
@@ -214,7 +214,7 @@ def test_pinned_chunks_are_never_evicted(tmp_path, tiny):
                     torch.device("cpu"))
     cache = ChunkCache(store, pool)
     held = cache.acquire(a)
-    from lazyrag.paged import OutOfPages
+    from lazyrag.serve.paged import OutOfPages
 
     with pytest.raises(OutOfPages):
         cache.acquire(b)

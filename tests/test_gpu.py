@@ -6,13 +6,13 @@ import json
 import pytest
 import torch
 
-import kernels
+from lazyrag import kernels
 from lazyrag.config import IndexConfig
-from lazyrag.engine import Engine, Request
-from lazyrag.indexer import build_index
+from lazyrag.serve.engine import Engine, Request
+from lazyrag.commands.index import build_index
 from lazyrag.models import load_model
-from lazyrag.paged import PagedAttention, StepInputs, pack_step
-from lazyrag.prompt import PromptFormat
+from lazyrag.serve.paged import PagedAttention, StepInputs, pack_step
+from lazyrag.models.prompt import PromptFormat
 from lazyrag.store import Store
 
 pytestmark = pytest.mark.gpu
@@ -115,8 +115,8 @@ def test_cuda_graph_decode_matches_eager(setup, mode):
 def test_staged_chunk_loads_are_bit_exact(setup):
     """Chunk reads go through recycled pinned buffers: load, evict and reload every chunk three
     times (some prefetched, some read on demand) and compare the pool with the store."""
-    from lazyrag.cache import ChunkCache
-    from lazyrag.paged import PagePool
+    from lazyrag.serve.cache import ChunkCache
+    from lazyrag.serve.paged import PagePool
 
     loaded, store = setup
     cfg = loaded.cfg

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from lazyrag.config import IndexConfig
-from lazyrag.indexer import build_index
+from lazyrag.commands.index import build_index
 from lazyrag.store import Store, StoreMismatch
 
 DEMO = Path(__file__).parent.parent / "examples" / "demo" / "corpus.jsonl"

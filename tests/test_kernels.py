@@ -37,8 +37,8 @@ except ImportError:  # pragma: no cover
     HAS_TRITON = False
     TRITON_INTERPRETED = False
 
-import kernels  # noqa: E402
-from kernels import PageTable, reference  # noqa: E402
+from lazyrag import kernels  # noqa: E402
+from lazyrag.kernels import PageTable, reference  # noqa: E402
 
 
 # ----------------------------------------------------------------------------- case builder
@@ -264,11 +264,11 @@ def test_bad_head_dim_and_shapes():
         kernels.lazy_prefill(c.q, kp, kp, c.pages, c.cu, c.q_pos, c.inv_freq, 0.1)
 
 
-def test_dispatch_cpu_default_is_reference(monkeypatch):
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+def test_dispatch_cpu_default_is_reference():
     assert kernels.backend(torch.zeros(1)) == "reference"
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert kernels.backend(torch.zeros(1)) == "triton-interpret"
+    with kernels.cpu_backend("triton"):
+        assert kernels.backend(torch.zeros(1)) == "triton-interpret"
+    assert kernels.backend(torch.zeros(1)) == "reference"
 
 
 # ------------------------------------------------- Triton (interpreter on CPU) vs reference
@@ -282,10 +282,10 @@ def interp(monkeypatch):
             pytest.skip("triton was imported compiled (CUDA present): interpreter tests skipped")
         # on a CPU machine these tests are the kernels' only check: never skip them silently
         pytest.fail("triton was imported before tests/test_kernels.py without TRITON_INTERPRET=1")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
     mod = kernels._triton_module(True)
     monkeypatch.setattr(mod, "POISON_SCRATCH", True)
-    return mod
+    with kernels.cpu_backend("triton"):
+        yield mod
 
 
 KERNEL_CASES = [

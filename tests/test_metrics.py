@@ -4,7 +4,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from lazyrag import metrics
+from lazyrag.eval import scoring as metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from lazyrag import store as store_mod
+from lazyrag.store import store as store_mod
 from lazyrag.store import (
     FORMAT_VERSION,
     NewChunk,

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from lazyrag.paged import Feed, PagedAttention, PagePool, StepInputs, StepLayout, copy_step, pack_step
+from lazyrag.serve.paged import Feed, PagedAttention, PagePool, StepInputs, StepLayout, copy_step, pack_step
 
 
 def batch_buckets(max_batch: int) -> list[int]:

@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
 
-from lazyrag import metrics
+from lazyrag.eval import scoring as metrics
 from lazyrag.config import AnswerConfig
-from lazyrag.engine import Engine, Request, Sampling
+from lazyrag.serve.engine import Engine, Request, Sampling
 from lazyrag.models import load_model
-from lazyrag.prompt import PromptFormat
+from lazyrag.models.prompt import PromptFormat
 from lazyrag.store import ChunkInfo, Store, StoreError, StoreMismatch
 
 

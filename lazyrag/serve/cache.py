@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from lazyrag.paged import OutOfPages, PagePool
+from lazyrag.serve.paged import OutOfPages, PagePool
 from lazyrag.store import ChunkInfo, Store
 
 

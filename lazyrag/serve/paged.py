@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-import kernels
+from lazyrag import kernels
 from lazyrag.models import rotate
 
 

@@ -20,8 +20,8 @@ import torch
 from lazyrag.config import IndexConfig
 from lazyrag.corpus import CorpusStats, chunk_document, read_corpus
 from lazyrag.models import LoadedModel, load_model
-from lazyrag.paged import Feed, PagedAttention, PagePool, StepInputs, page_rows
-from lazyrag.prompt import PromptFormat
+from lazyrag.serve.paged import Feed, PagedAttention, PagePool, StepInputs, page_rows
+from lazyrag.models.prompt import PromptFormat
 from lazyrag.store import NewChunk, Store, StoreSettings, chunk_id_for, kv_to_storage
 
 SPLITTER = "paragraph-sentence-v1"

@@ -26,12 +26,12 @@ from typing import Callable, Iterable, Iterator
 import numpy as np
 import torch
 
-import kernels
-from lazyrag.cache import ChunkCache, Resident
+from lazyrag import kernels
+from lazyrag.serve.cache import ChunkCache, Resident
 from lazyrag.config import MODES
 from lazyrag.models import LoadedModel
-from lazyrag.cuda_graphs import DecodeGraphs
-from lazyrag.paged import Feed, OutOfPages, PagedAttention, PagePool, StepInputs, page_rows
+from lazyrag.serve.cuda_graphs import DecodeGraphs
+from lazyrag.serve.paged import Feed, OutOfPages, PagedAttention, PagePool, StepInputs, page_rows
 from lazyrag.store import ChunkInfo, Store
 
 @dataclass

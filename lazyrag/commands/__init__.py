@@ -1,0 +1,1 @@
+"""What each CLI command does: index, answer, stats."""

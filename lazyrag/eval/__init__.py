@@ -1,0 +1,1 @@
+"""Scoring answers against gold, and fidelity to full attention."""
