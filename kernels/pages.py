@@ -1,4 +1,4 @@
-"""Page table of the paged KV pool (see kernels/__init__.py for the full contract)."""
+"""Page table of the paged KV pool (docs/kernels.md has the full contract)."""
 from __future__ import annotations
 
 from dataclasses import dataclass

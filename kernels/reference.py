@@ -1,6 +1,6 @@
 """Plain PyTorch versions of the lazy-attention kernels.
 
-Same signatures and semantics as the Triton kernels (see ``kernels/__init__.py``). They are
+Same signatures and semantics as the Triton kernels (docs/kernels.md). They are
 the tests' oracle and the engine's path where Triton cannot run (CPU). Vectorised per
 request: one batched matmul over all pages (the query rotated for each page's delta), or
 one SDPA call when the request has a single delta; no per-key Python loops.
@@ -14,16 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .pages import PageTable
-
-
-def rope(x: Tensor, pos: Tensor, inv_freq: Tensor) -> Tensor:
-    """Rotate fp32 ``x`` [L, H, D] by int positions ``pos`` [L] (HF rotate_half convention)."""
-    half = x.shape[-1] // 2
-    ang = pos.to(torch.float32)[:, None] * inv_freq[None, :]  # [L, D/2]
-    cos = ang.cos()[:, None, :]
-    sin = ang.sin()[:, None, :]
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+from .rope import rope
 
 
 def _attend_one(qb, mpos, k_pages, v_pages, ids, delta, start, length, inv_freq, sm_scale, rotate):
@@ -131,16 +122,11 @@ def rotate_copy(k_pages: Tensor, v_pages: Tensor, src: Tensor, dst: Tensor, delt
                 dst_k: Tensor | None = None, dst_v: Tensor | None = None):
     dst_k = k_pages if dst_k is None else dst_k
     dst_v = v_pages if dst_v is None else dst_v
-    D = k_pages.shape[-1]
-    half = D // 2
     s = src.long()
     k = k_pages[s].to(torch.float32)  # [N, PS, Hkv, D]
     v = v_pages[s].clone()
-    ang = delta.to(torch.float32)[:, None] * inv_freq.to(torch.float32)[None, :]  # [N, D/2]
-    cos = ang.cos()[:, None, None, :]
-    sin = ang.sin()[:, None, None, :]
-    k1, k2 = k[..., :half], k[..., half:]
-    rot = torch.cat((k1 * cos - k2 * sin, k2 * cos + k1 * sin), dim=-1)
+    # every row of page i turns by delta[i]: the page's rows are rope's heads
+    rot = rope(k.flatten(1, 2), delta, inv_freq.to(torch.float32)).view_as(k)
     d = dst.long()
     dst_k[d] = rot.to(dst_k.dtype)
     dst_v[d] = v.to(dst_v.dtype)

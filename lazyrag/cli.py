@@ -10,7 +10,7 @@ from typing import Optional
 import typer
 from rich.console import Console
 
-from lazyrag import config
+from lazyrag.config import DEFAULT_MODEL, DEFAULT_STORE, AnswerConfig, IndexConfig, Mode
 
 app = typer.Typer(
     add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -20,9 +20,11 @@ app = typer.Typer(
 out = Console()
 err = Console(stderr=True)
 
-StoreOpt = typer.Option(config.DEFAULT_STORE, "--store", "-s", help="The zarr store directory.")
+StoreOpt = typer.Option(DEFAULT_STORE, "--store", "-s", help="The zarr store directory.")
 JsonOpt = typer.Option(False, "--json", help="Print one JSON object for scripts instead of tables.")
-DeviceOpt = typer.Option("auto", help="auto (CUDA when present), cpu or cuda.")
+DEVICE_HELP = "auto (CUDA when present), cpu or cuda."
+REMOTE_CODE_HELP = "Let transformers run code shipped with the model."
+QuietOpt = typer.Option(False, "--quiet", "-q", help="No progress bar.")
 
 
 def _fail(exc: Exception, code: int = 1):
@@ -31,11 +33,13 @@ def _fail(exc: Exception, code: int = 1):
 
 
 def _known_errors():
+    """Errors reported as one line (exit 1); anything else is a bug and keeps its traceback."""
+    from lazyrag.commands.queries import QueryError
     from lazyrag.corpus import CorpusError
     from lazyrag.models import ModelError
     from lazyrag.store import StoreError
 
-    return (CorpusError, ModelError, StoreError, FileNotFoundError, ValueError)
+    return (CorpusError, ModelError, QueryError, StoreError, FileNotFoundError, ValueError)
 
 
 @app.command()
@@ -43,18 +47,18 @@ def index(
     corpus: Path = typer.Argument(..., help="A directory (.txt, .md, .jsonl, recursively) or one .jsonl file "
                                             "with lines {\"id\", \"text\", \"title\"?}."),
     store: Path = StoreOpt,
-    model: str = typer.Option("smollm2-135m", "--model", "-m",
-                              help="smollm2-135m, a local Hugging Face model directory, or random:<preset>."),
-    chunk_tokens: int = typer.Option(512, min=16, help="Most tokens per chunk; cuts prefer paragraph, "
-                                                       "then sentence boundaries."),
-    page_size: int = typer.Option(64, help="Tokens per KV page (chunks are padded to whole pages)."),
-    batch_tokens: int = typer.Option(8192, min=64, help="Chunk tokens per forward pass."),
-    device: str = DeviceOpt,
-    dtype: str = typer.Option("auto", help="auto (bf16 on CUDA, fp32 on CPU), bf16, fp16 or fp32."),
-    skip_bad: bool = typer.Option(False, "--skip-bad", help="Report bad files or lines and go on."),
-    trust_remote_code: bool = typer.Option(False, help="Let transformers run code shipped with the model."),
+    model: str = typer.Option(IndexConfig.model, "--model", "-m",
+                              help=f"{DEFAULT_MODEL}, a local Hugging Face model directory, or random:<preset>."),
+    chunk_tokens: int = typer.Option(IndexConfig.chunk_tokens, min=16,
+                                     help="Most tokens per chunk; cuts prefer paragraph, then sentence boundaries."),
+    page_size: int = typer.Option(IndexConfig.page_size, help="Tokens per KV page (chunks are padded to whole pages)."),
+    batch_tokens: int = typer.Option(IndexConfig.batch_tokens, min=64, help="Chunk tokens per forward pass."),
+    device: str = typer.Option(IndexConfig.device, help=DEVICE_HELP),
+    dtype: str = typer.Option(IndexConfig.dtype, help="auto (bf16 on CUDA, fp32 on CPU), bf16, fp16 or fp32."),
+    skip_bad: bool = typer.Option(IndexConfig.skip_bad, "--skip-bad", help="Report bad files or lines and go on."),
+    trust_remote_code: bool = typer.Option(IndexConfig.trust_remote_code, help=REMOTE_CODE_HELP),
     as_json: bool = JsonOpt,
-    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
+    quiet: bool = QuietOpt,
 ):
     """Chunk a corpus, run the model once per chunk, and store each chunk's KV.
 
@@ -63,7 +67,7 @@ def index(
     """
     from lazyrag.commands.index import build_index
 
-    cfg = config.IndexConfig(corpus=corpus, store=store, model=model, device=device, dtype=dtype,
+    cfg = IndexConfig(corpus=corpus, store=store, model=model, device=device, dtype=dtype,
                              chunk_tokens=chunk_tokens, page_size=page_size, batch_tokens=batch_tokens,
                              skip_bad=skip_bad, trust_remote_code=trust_remote_code)
     try:
@@ -88,41 +92,43 @@ def index(
 def answer(
     queries: Path = typer.Argument(..., help='JSONL lines {"id", "question", "docs"?, "chunks"?, "answers"?}.'),
     store: Path = StoreOpt,
-    out_path: Path = typer.Option(Path("answers.jsonl"), "--out", "-o",
+    out_path: Path = typer.Option(AnswerConfig.out, "--out", "-o",
                                   help="Answers JSONL, appended; ids already there are skipped (resume)."),
-    mode: str = typer.Option("lazy", help="lazy (shared chunk KV, deferred RoPE), block (per-request "
-                                          "re-rotated copies) or full (recompute the whole prompt)."),
-    top_k: int = typer.Option(5, min=1, help="Chunks to retrieve (BM25) for queries naming no docs or chunks."),
-    max_new_tokens: int = typer.Option(32, min=1),
-    cache_gb: float = typer.Option(4.0, help="GPU (or CPU) memory for the page pool: chunks, prompts, answers."),
-    host_cache_gb: float = typer.Option(0.0, help="Pinned host memory for chunks evicted from the pool."),
-    batch_size: int = typer.Option(32, min=1, help="Most requests in flight."),
-    device: str = DeviceOpt,
-    temperature: float = typer.Option(0.0, min=0.0, help="0 is greedy."),
-    top_p: float = typer.Option(1.0, min=0.0, max=1.0),
-    seed: int = typer.Option(0),
-    model: Optional[str] = typer.Option(None, help="Load the model from here instead of the name the store "
-                                                   "records (it must have the same fingerprint)."),
-    trust_remote_code: bool = typer.Option(False, help="Let transformers run code shipped with the model."),
-    cuda_graphs: bool = typer.Option(True, "--cuda-graphs/--eager",
+    mode: Mode = typer.Option(AnswerConfig.mode, help="lazy (shared chunk KV, deferred RoPE), block (per-request "
+                                                      "re-rotated copies) or full (recompute the whole prompt)."),
+    top_k: int = typer.Option(AnswerConfig.top_k, min=1,
+                              help="Chunks to retrieve (BM25) for queries naming no docs or chunks."),
+    max_new_tokens: int = typer.Option(AnswerConfig.max_new_tokens, min=1),
+    cache_gb: float = typer.Option(AnswerConfig.cache_gb,
+                                   help="GPU (or CPU) memory for the page pool: chunks, prompts, answers."),
+    host_cache_gb: float = typer.Option(AnswerConfig.host_cache_gb,
+                                        help="Pinned host memory for chunks evicted from the pool."),
+    batch_size: int = typer.Option(AnswerConfig.batch_size, min=1, help="Most requests in flight."),
+    device: str = typer.Option(AnswerConfig.device, help=DEVICE_HELP),
+    temperature: float = typer.Option(AnswerConfig.temperature, min=0.0, help="0 is greedy."),
+    top_p: float = typer.Option(AnswerConfig.top_p, min=0.0, max=1.0),
+    seed: int = typer.Option(AnswerConfig.seed),
+    model: Optional[str] = typer.Option(AnswerConfig.model, help="Load the model from here instead of the name "
+                                                                 "the store records (it must have the same "
+                                                                 "fingerprint)."),
+    trust_remote_code: bool = typer.Option(AnswerConfig.trust_remote_code, help=REMOTE_CODE_HELP),
+    cuda_graphs: bool = typer.Option(AnswerConfig.cuda_graphs, "--cuda-graphs/--eager",
                                      help="On a GPU, replay decode steps from CUDA graphs captured at start "
                                           "(--eager launches every kernel from Python: slower, for debugging)."),
     as_json: bool = JsonOpt,
-    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
+    quiet: bool = QuietOpt,
 ):
     """Answer a file of questions from the store; one JSON line per answer, in finishing order."""
-    from lazyrag.commands.answer import QueryError, answer_file
+    from lazyrag.commands.answer import answer_file
 
-    if mode not in config.MODES:
-        _fail(ValueError(f"--mode must be one of {', '.join(config.MODES)}"), 2)
-    cfg = config.AnswerConfig(queries=queries, store=store, out=out_path, mode=mode, top_k=top_k,
-                              max_new_tokens=max_new_tokens, cache_gb=cache_gb, host_cache_gb=host_cache_gb,
-                              batch_size=batch_size, device=device, temperature=temperature, top_p=top_p,
-                              seed=seed, trust_remote_code=trust_remote_code, cuda_graphs=cuda_graphs)
+    cfg = AnswerConfig(queries=queries, store=store, out=out_path, mode=mode, model=model, top_k=top_k,
+                       max_new_tokens=max_new_tokens, cache_gb=cache_gb, host_cache_gb=host_cache_gb,
+                       batch_size=batch_size, device=device, temperature=temperature, top_p=top_p,
+                       seed=seed, trust_remote_code=trust_remote_code, cuda_graphs=cuda_graphs)
     try:
         result = answer_file(cfg, report=lambda m: err.print(f"[yellow]bad input:[/] {m}", highlight=False),
-                             progress=not (as_json or quiet), model_name=model)
-    except (*_known_errors(), QueryError) as exc:
+                             progress=not (as_json or quiet))
+    except _known_errors() as exc:
         _fail(exc)
     if as_json:
         print(json.dumps({**result.record, "skipped_already_answered": result.skipped}))

@@ -1,19 +1,29 @@
-"""Settings for each command, with every default in one place."""
+"""Settings for each command, with every default in one place (the CLI reads its defaults here)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 from pathlib import Path
 
 DEFAULT_STORE = Path("lazyrag.zarr")
+# SmolLM2-135M-Instruct, shipped on PyPI as a GGUF file (lazyrag/models/loading.py fetches it)
+DEFAULT_MODEL = "smollm2-135m"
+
+
+class Mode(StrEnum):
+    """How a request's chunks are placed (lazyrag/serve/modes.py has one class per mode)."""
+
+    LAZY = "lazy"    # shared chunk pages, positions applied inside the kernels
+    BLOCK = "block"  # Block-Attention: a private copy of each chunk, keys re-rotated
+    FULL = "full"    # recompute the whole prompt: the quality reference
 
 
 @dataclass
 class IndexConfig:
     corpus: Path
     store: Path = DEFAULT_STORE
-    model: str = "smollm2-135m"
+    model: str = DEFAULT_MODEL
     device: str = "auto"
     dtype: str = "auto"
     # A retrieval paragraph usually fits whole in 512 tokens; longer chunks mean fewer
@@ -30,7 +40,8 @@ class AnswerConfig:
     queries: Path
     store: Path = DEFAULT_STORE
     out: Path = Path("answers.jsonl")
-    mode: str = "lazy"            # lazy | block | full
+    mode: Mode = Mode.LAZY
+    model: str | None = None      # None: the model the store records
     top_k: int = 5
     max_new_tokens: int = 32
     cache_gb: float = 4.0         # GPU page pool
@@ -44,13 +55,5 @@ class AnswerConfig:
     cuda_graphs: bool = True      # replay decode steps from CUDA graphs (GPU only)
     trust_remote_code: bool = False
 
-
-class Mode(str, Enum):
-    """How a request's chunks are placed (lazyrag/serve/modes.py has one class per mode)."""
-
-    LAZY = "lazy"    # shared chunk pages, positions applied inside the kernels
-    BLOCK = "block"  # Block-Attention: a private copy of each chunk, keys re-rotated
-    FULL = "full"    # recompute the whole prompt: the quality reference
-
-
-MODES = tuple(m.value for m in Mode)
+    def __post_init__(self):
+        self.mode = Mode(self.mode)  # scripts may pass the plain name

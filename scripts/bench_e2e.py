@@ -25,8 +25,6 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 DOCS, DOC_TOKENS, PER_PROMPT, QUESTION_TOKENS, NEW_TOKENS = 100, 2048, 5, 32, 16  # --docs/--doc-tokens override
 
 
@@ -91,7 +89,7 @@ def run(engine_args: dict, loaded, store, mode: str, prompts, questions, cache_g
     """One timed run on a fresh engine. warm: first answer the same requests once, untimed, so
     the timed pass finds the cache as a long-running server would (no first reads from disk)."""
     from lazyrag.eval import scoring as metrics
-    from lazyrag.serve.engine import Engine, Request
+    from lazyrag.serve import Engine, Request
 
     engine = Engine(loaded, store, mode, cache_gb * 2**30, batch_size, stop_at_eos=False, **engine_args)
     chunks = {d: store.doc_chunks(d) for d in {d for p in prompts for d in p}}

@@ -16,20 +16,18 @@ import os
 import random
 import re
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import torch
 
-import torch  # noqa: E402
-
-from lazyrag.config import IndexConfig  # noqa: E402
-from lazyrag.corpus import chunk_document, read_corpus  # noqa: E402
-from lazyrag.commands.index import ChunkEncoder, _batches, build_index, store_settings  # noqa: E402
-from lazyrag.models import load_model  # noqa: E402
-from lazyrag.store import NewChunk, Store  # noqa: E402
+from lazyrag.commands.index import ChunkEncoder, build_index, page_batches, pages_per_batch, store_settings, \
+    stored_chunks
+from lazyrag.config import IndexConfig
+from lazyrag.corpus import read_corpus
+from lazyrag.models import load_model
+from lazyrag.store import Store
 
 
 def sync():
@@ -62,13 +60,13 @@ def disk_write_mb_s(directory: Path, mb: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--device", default="auto")
-    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--model", default=IndexConfig.model)
+    ap.add_argument("--device", default=IndexConfig.device)
+    ap.add_argument("--dtype", default=IndexConfig.dtype)
     ap.add_argument("--docs", type=int, default=24)
     ap.add_argument("--doc-tokens", type=int, default=512, help="roughly, for the default model (5 bytes a token)")
-    ap.add_argument("--chunk-tokens", type=int, default=512)
-    ap.add_argument("--batch-tokens", type=int, default=8192)
+    ap.add_argument("--chunk-tokens", type=int, default=IndexConfig.chunk_tokens)
+    ap.add_argument("--batch-tokens", type=int, default=IndexConfig.batch_tokens)
     ap.add_argument("--dir", type=Path, default=None, help="where the store goes (default: a temp dir)")
     args = ap.parse_args()
 
@@ -76,17 +74,16 @@ def main() -> None:
     root.mkdir(parents=True, exist_ok=True)
     corpus = root / "corpus.jsonl"
     synthetic_corpus(corpus, args.docs, args.doc_tokens * 5)
-    loaded = load_model(args.model, args.device, args.dtype)
-    ps = IndexConfig(corpus=corpus).page_size
-    settings = store_settings(loaded, args.model, args.chunk_tokens, ps)
-    sep = list(settings.chunking["separator_ids"])
-    chunks = [NewChunk("", d.id, i, tuple(c.token_ids) + tuple(sep), c.text)
-              for d in read_corpus(corpus)
-              for i, c in enumerate(chunk_document(d.model_text, loaded.tokenizer, args.chunk_tokens))]
+    cfg = IndexConfig(corpus=corpus, store=root / "s.zarr", model=args.model, device=args.device, dtype=args.dtype,
+                      chunk_tokens=args.chunk_tokens, batch_tokens=args.batch_tokens)
+    loaded = load_model(cfg.model, cfg.device, cfg.dtype)
+    ps = cfg.page_size
+    settings = store_settings(loaded, cfg.model, cfg.chunk_tokens, ps)
+    chunks = [c for d in read_corpus(corpus) for c in stored_chunks(d, loaded.tokenizer, settings)]
     tokens = sum(len(c.token_ids) for c in chunks)
-    batch_pages = max(args.batch_tokens, args.chunk_tokens + len(sep)) // ps + 1
+    batch_pages = pages_per_batch(cfg, settings)
     encoder = ChunkEncoder(loaded, list(settings.preamble_ids), ps, batch_pages)
-    batches = list(_batches(chunks, batch_pages, ps))
+    batches = list(page_batches(chunks, batch_pages, ps))
     encoder.encode([list(c.token_ids) for c in batches[0]])  # warm-up (Triton compilation)
     sync()
     t = time.perf_counter()
@@ -96,13 +93,11 @@ def main() -> None:
     bare_s = time.perf_counter() - t
     del encoder
 
-    store_path = root / "s.zarr"
     t = time.perf_counter()
-    build_index(IndexConfig(corpus=corpus, store=store_path, model=args.model, chunk_tokens=args.chunk_tokens,
-                            batch_tokens=args.batch_tokens), progress=False, loaded=loaded)
+    build_index(cfg, progress=False, loaded=loaded)
     sync()
     index_s = time.perf_counter() - t
-    summary = Store.open(store_path).summary()
+    summary = Store.open(cfg.store).summary()
     cfg = loaded.cfg
     per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * loaded.model.embed.weight.element_size()
     raw = summary["padded_tokens"] * per_token

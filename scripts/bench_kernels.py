@@ -16,6 +16,7 @@ Usage: python scripts/bench_kernels.py [--quick] [--ps64] [--pool-size] [--split
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import os
@@ -26,15 +27,15 @@ import torch
 import torch.nn.functional as F
 
 # BENCH_SMOKE=1: tiny shapes on CPU under the Triton interpreter, to check this script's logic
+# (Triton picks its interpreter when it is first imported: the variable goes first)
 SMOKE = os.environ.get("BENCH_SMOKE") == "1"
 if SMOKE:
     os.environ["TRITON_INTERPRET"] = "1"
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import triton  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
 from lazyrag import kernels  # noqa: E402
-from lazyrag.kernels import PageTable  # noqa: E402
+from lazyrag.kernels import PageTable, rope  # noqa: E402
 
 DEV = "cpu" if SMOKE else "cuda"
 DT = torch.float16 if SMOKE else torch.bfloat16
@@ -50,6 +51,11 @@ def log(*a):
     s = " ".join(str(x) for x in a)
     print(s, flush=True)
     LOG.append(s)
+
+
+def kernel_backend():
+    """Where the kernels run: CUDA tensors on the GPU; in smoke mode CPU tensors, under the interpreter."""
+    return kernels.cpu_backend("triton") if SMOKE else contextlib.nullcontext()
 
 
 def bench(fn_sets, warmup=20, rep=80):
@@ -69,16 +75,6 @@ def rel(a, b):
 
 def inv_freq(D):
     return (1.0 / (500000.0 ** (torch.arange(0, D, 2, dtype=torch.float64) / D))).float().to(DEV)
-
-
-def rope(x, pos, invf):
-    """x [..., N, D] fp32-rotated by int pos [N] (broadcast), returns x.dtype."""
-    half = x.shape[-1] // 2
-    ang = pos.float()[:, None] * invf[None, :]
-    c, s = ang.cos(), ang.sin()
-    xf = x.float()
-    x1, x2 = xf[..., :half], xf[..., half:]
-    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), -1).to(x.dtype)
 
 
 # ------------------------------------------------------------------------------ workload
@@ -130,11 +126,7 @@ class Work:
         K = self.k[ids].reshape(B, -1, Hkv, D)  # stored keys [B, N_all, Hkv, D]
         V = self.v[ids].reshape(B, -1, Hkv, D)
         d = self.pages.delta.repeat_interleave(PS, dim=1)  # [B, N_all]
-        half = D // 2
-        ang = d.float()[..., None] * self.invf  # [B, N_all, D/2]
-        c, s = ang.cos()[:, :, None, :], ang.sin()[:, :, None, :]
-        Kf = K.float()
-        K = torch.cat((Kf[..., :half] * c - Kf[..., half:] * s, Kf[..., half:] * c + Kf[..., :half] * s), -1).to(DT)
+        K = rope(K.float().reshape(-1, Hkv, D), d.reshape(-1), self.invf).view(B, -1, Hkv, D).to(DT)
         keep = torch.arange(K.shape[1], device=DEV) < self.n_keys  # drop padding of last own page
         K, V = K[:, keep], V[:, keep]
         return K.permute(0, 2, 1, 3).contiguous(), V.permute(0, 2, 1, 3).contiguous()
@@ -183,7 +175,7 @@ def decode_rows(tag, H, Hkv, D, B, ctx, PS, copy_bw, cfgs, pool_chunks):
     qpos = torch.full((B,), ctx, dtype=torch.int32, device=DEV)
     K, V = w.sdpa_kv()
     Ks, Vs = [K] + [K.clone() for _ in range(nset - 1)], [V] + [V.clone() for _ in range(nset - 1)]
-    qr = [rope(q.float().view(B * H, 1, D), qpos[:1].expand(1), w.invf).view(B, H, D).to(DT) for q in qs]
+    qr = [rope(q.float(), qpos, w.invf).to(DT) for q in qs]
     scale = 1.0 / math.sqrt(D)
 
     def sdpa(i):
@@ -218,7 +210,7 @@ def prefill_rows(tag, H, Hkv, D, B, ctx, q_len, PS, cfgs, pool_chunks):
     K, V = w.sdpa_kv()
     N = K.shape[2]
     Ks, Vs = [K] + [K.clone() for _ in range(nset - 1)], [V] + [V.clone() for _ in range(nset - 1)]
-    qr = [rope(q.view(B, q_len, H, D).permute(0, 2, 1, 3), qpos[:q_len], w.invf) for q in qs]  # [B,H,Lq,D]
+    qr = [rope(q.float(), qpos, w.invf).to(DT).view(B, q_len, H, D).permute(0, 2, 1, 3) for q in qs]  # [B,H,Lq,D]
     scale = 1.0 / math.sqrt(D)
     # equivalent mask: query i (logical ctx+i) sees keys 0..ctx+i (lower-right causal)
     mask = torch.arange(N, device=DEV)[None, :] <= (ctx + torch.arange(q_len, device=DEV))[:, None]
@@ -388,4 +380,5 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    with kernel_backend():
+        main()

@@ -14,9 +14,7 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from lazyrag.eval import scoring as metrics  # noqa: E402
+from lazyrag.eval import scoring
 
 
 def load(path: Path) -> dict[str, dict]:
@@ -41,7 +39,7 @@ def summary(rows: dict[str, dict], reference: dict[str, dict]) -> dict:
            "hit_ratio": round(hits / (hits + misses), 4) if hits + misses else None}
     for key in ("accuracy", "em", "f1"):
         out[key] = round(sum(s[key] for s in scored) / len(scored), 4) if scored else None
-    out["agreement"] = metrics.agreement({i: r["answer"] for i, r in rows.items()},
+    out["agreement"] = scoring.agreement({i: r["answer"] for i, r in rows.items()},
                                          {i: r["answer"] for i, r in reference.items()})
     return out
 

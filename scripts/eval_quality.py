@@ -19,20 +19,18 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from lazyrag.eval import scoring as metrics  # noqa: E402
-from lazyrag.commands.answer import answer_file, read_queries, resolve_chunks  # noqa: E402
-from lazyrag.config import AnswerConfig, IndexConfig  # noqa: E402
-from lazyrag.serve.engine import Engine, Request  # noqa: E402
-from lazyrag.commands.index import build_index  # noqa: E402
-from lazyrag.models import load_model  # noqa: E402
-from lazyrag.models.prompt import PromptFormat  # noqa: E402
-from lazyrag.store import Store  # noqa: E402
+from lazyrag.eval import scoring as metrics
+from lazyrag.commands.answer import answer_file
+from lazyrag.commands.queries import read_queries, resolve_chunks
+from lazyrag.config import AnswerConfig, IndexConfig
+from lazyrag.serve import Engine, Request
+from lazyrag.commands.index import build_index
+from lazyrag.models import load_model
+from lazyrag.models.prompt import PromptFormat
+from lazyrag.store import Store
 
 MODES = ("full", "lazy", "block")
 ROOT = Path(__file__).resolve().parent.parent

@@ -1,17 +1,23 @@
 #!/usr/bin/env bash
-# One device call (H200): GPU tests, kernel benchmark, end-to-end on one model, index
-# benchmark. Each step has its own time limit (the call has 600 s; a limit of 'skip' skips
-# the step); logs land in $OUT.
-# TESTS: the test files (default: the kernel and GPU engine tests).
-# Usage (after the wheel install line of shared/tools/gpu-wheels.sh):
+# On a CUDA machine, from the repository root: install the package, then the GPU tests
+# (`pytest -m gpu`), the kernel benchmark, the end-to-end benchmark and the index benchmark.
+# Each step has its own time limit in seconds (a limit of 'skip' skips the step) so that a
+# slow step cannot take the others' time; each step's output lands in $OUT/<step>.log.
+# The install takes no dependencies: the machine must have them already (a machine with no
+# registry can take the missing ones as wheels, see shared/tools/gpu-wheels.sh).
+# Usage:
 #   KERNEL_ARGS=--quick E2E_LIMIT=240 bash scripts/gpu_check.sh random:llama3.2-1b [bench_e2e args...]
+# TESTS narrows the test run to some files (default: every test marked gpu).
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 models=${1:-random:llama3.2-1b}; shift || true
 step() { local name=$1 limit=$2; shift 2; [ "$limit" = skip ] && return; echo "== $name"; timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; echo "   exit $?"; tail -n "${TAIL:-25}" "$OUT/$name.log"; }
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv
-step gpu_tests "${TEST_LIMIT:-150}" python3 -m pytest -q -m gpu -p no:cacheprovider ${TESTS:-tests/test_kernels.py tests/test_gpu.py}
+# editable, so that the scripts and tests import this working tree's code
+python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . > "$OUT/install.log" 2>&1 \
+  || { echo "install failed:"; tail -n 20 "$OUT/install.log"; exit 1; }
+step gpu_tests "${TEST_LIMIT:-150}" python3 -m pytest -q -m gpu -p no:cacheprovider ${TESTS:-}
 step bench_kernels "${KERNEL_LIMIT:-150}" python3 scripts/bench_kernels.py ${KERNEL_ARGS:---quick}
 step bench_e2e "${E2E_LIMIT:-240}" python3 scripts/bench_e2e.py --models "$models" "$@"
 step bench_index "${INDEX_LIMIT:-100}" python3 scripts/bench_index.py --model random:llama3-8b --dtype bf16 \

@@ -13,17 +13,17 @@ from __future__ import annotations
 import argparse
 import re
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from lazyrag.kernels import _triton as kt  # noqa: E402
+from lazyrag.kernels import decode, prefill
+from lazyrag.kernels.tuning import Launch
 
 POINTERS = {**{n: "*bf16" for n in ("Q", "K", "V", "O")},
             **{n: "*i32" for n in ("IDS", "DELTA", "START", "LEN", "COUNT", "CU", "QPOS")},
@@ -40,8 +40,8 @@ def launch_ints(D: int, PS: int) -> dict:
                 stride_kh=D, stride_vh=D, num_heads=H)
 
 
-def resources(kernel, constexprs: dict, num_warps: int, num_stages: int, arch: int, tma_block=None,
-              maxnreg=None) -> dict:
+def resources(launch: Launch, arch: int, tma_block=None) -> dict:
+    kernel, constexprs, options = launch.kernel, launch.constexprs, launch.options
     names = kernel.arg_names
     sig = {n: POINTERS.get(n, "constexpr" if n in constexprs else "fp32" if n == "qk_scale" else "i32")
            for n in names}
@@ -57,9 +57,7 @@ def resources(kernel, constexprs: dict, num_warps: int, num_stages: int, arch: i
                or (n in ints and n not in keep and ints[n] % 16 == 0)]
     src = ASTSource(fn=kernel, signature=sig, constexprs={(names.index(n),): v for n, v in constexprs.items()},
                     attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
-    compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                              options=dict(num_warps=num_warps, num_stages=num_stages,
-                                           **({"maxnreg": maxnreg} if maxnreg else {})))
+    compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
     with tempfile.TemporaryDirectory() as tmp:
         ptx = Path(tmp) / "k.ptx"
         ptx.write_text(compiled.asm["ptx"])
@@ -78,7 +76,7 @@ def resources(kernel, constexprs: dict, num_warps: int, num_stages: int, arch: i
             "spill_loads": int(spills.group(2)) if spills else 0,
             "shared": compiled.metadata.shared,
             "async_tiles": async_tiles,
-            "programs_per_sm": programs_per_sm(n_regs, compiled.metadata.shared, num_warps)}
+            "programs_per_sm": programs_per_sm(n_regs, compiled.metadata.shared, options["num_warps"])}
 
 
 def programs_per_sm(regs: int, shared: int, num_warps: int) -> int:
@@ -88,33 +86,34 @@ def programs_per_sm(regs: int, shared: int, num_warps: int) -> int:
     return min(65536 // (per_warp * num_warps), 228 * 1024 // (shared + 1024), 64 // num_warps, 32)
 
 
+def label(launch: Launch, rows: str) -> str:
+    """A launch as the table shows it: rows per program, warps, stages, register cap, TMA."""
+    o = launch.options
+    cap = f", maxnreg {o['maxnreg']}" if "maxnreg" in o else ""
+    tma = ", TMA" if launch.constexprs.get("TMA") else ""
+    return f"{launch.constexprs[rows]} rows, {o['num_warps']} warps, {o['num_stages']} stages{cap}{tma}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arch", type=int, default=90, help="compute capability x10 (90: H100/H200)")
     args = ap.parse_args()
-    bf16 = triton.language.bfloat16
+    capability = divmod(args.arch, 10)
     rows = []
     for D in (128, 64):
-        group = HEADS[D][0] // HEADS[D][1]
+        H, Hkv = HEADS[D]
+        shape = (torch.bfloat16, H, Hkv, D, 64)
         for rotate in (True, False):
-            # lazy_prefill's defaults (64 rows, 4 warps, PREFILL_TUNING), then 128 rows, 8 warps
-            tuning = kt.PREFILL_TUNING[D]
-            stages, cap = tuning.get("num_stages", 2), tuning.get("maxnreg")
-            for bm, warps, default in ((64, 4, True), (128, 8, False)):
-                c = dict(GROUP=group, DTYPE=bf16, PS=64, HALF=D // 2, BLOCK_M=bm, ROTATE=rotate, PREC="tf32",
-                         IDX64=False, SPLIT=False)
-                cap_here = cap if default else None
-                label = (f"{'default: ' if default else ''}{bm} rows, {warps} warps, {stages} stages"
-                         f"{f', maxnreg {cap_here}' if cap_here else ''}")
-                r = resources(kt._prefill_kernel, c, warps, stages, args.arch, maxnreg=cap_here)
-                rows.append(("prefill", D, rotate, label, r))
-            warps = 8 if D == 64 else 4  # lazy_decode's default
+            # lazy_prefill's default launch, then 128 rows (8 warps) without a register cap
+            for default, options in ((True, {}), (False, dict(block_m=128, maxnreg=0))):
+                launch = prefill.launch_config(*shape, rotate=rotate, capability=capability, **options)
+                launch = Launch(launch.kernel, dict(launch.constexprs, SPLIT=False), launch.options)
+                r = resources(launch, args.arch)
+                rows.append(("prefill", D, rotate, f"{'default: ' if default else ''}{label(launch, 'BLOCK_M')}", r))
             for tma in ((True, False) if D == 128 else (False,)):
-                c = dict(GROUP=group, DTYPE=bf16, PS=64, HALF=D // 2, BLOCK_H=16, ROTATE=rotate, PREC="tf32",
-                         IDX64=False, TMA=tma)
-                r = resources(kt._decode_split_kernel, c, warps, 2, args.arch, (64, D) if tma else None)
-                label = f"{'' if tma else 'default: '}16 rows, {warps} warps, 2 stages{', TMA' if tma else ''}"
-                rows.append(("decode", D, rotate, label, r))
+                launch = decode.launch_config(*shape, rotate=rotate, tma=tma, capability=capability)
+                r = resources(launch, args.arch, (64, D) if tma else None)
+                rows.append(("decode", D, rotate, f"{'' if tma else 'default: '}{label(launch, 'BLOCK_H')}", r))
     print(f"sm_{args.arch}a, triton {triton.__version__}, bf16, page size 64\n")
     print("| kernel | head dim | rotate | config | registers | spill stores / loads (bytes) | shared (bytes) | "
           "programs/SM | async tile loads |")

@@ -8,7 +8,7 @@ For Llama-3.1-8B prefill shapes it times, in one run:
   rebuild per tile). The last two differ only in the rebuilds, so their gap over the number
   of chunks is what one rebuild costs.
 Then lazy_prefill's tuning variants given on the command line (JSON objects of keyword
-arguments). Results of each session: docs/results/probe-prefill-*.md.
+arguments). Results on the H200: docs/results/kernels-prefill-deferral-h200.md.
 Usage: python scripts/probe_prefill.py ['{"num_stages": 2}' ...]
 """
 from __future__ import annotations
@@ -19,12 +19,13 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench_kernels as bk  # noqa: E402
-from bench_kernels import bench, log  # noqa: E402
+# the workload, timing and smoke mode of bench_kernels.py, beside this file (a script's own
+# folder is on sys.path); imported before lazyrag, as it picks Triton's interpreter in smoke mode
+import bench_kernels as bk
+from bench_kernels import bench, log
 
-from lazyrag import kernels  # noqa: E402
-from lazyrag.kernels import PageTable  # noqa: E402
+from lazyrag import kernels
+from lazyrag.kernels import PageTable
 
 
 def one_run_table(p: PageTable) -> PageTable:
@@ -84,4 +85,5 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    with bk.kernel_backend():
+        main()

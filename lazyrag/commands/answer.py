@@ -14,65 +14,38 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
 
-from lazyrag.eval import scoring as metrics
+from lazyrag.commands.queries import read_queries, resolve_chunks
 from lazyrag.config import AnswerConfig
-from lazyrag.serve.engine import Engine, Request, Sampling
-from lazyrag.models import load_model
+from lazyrag.eval import scoring
+from lazyrag.models import LoadedModel, load_model
 from lazyrag.models.prompt import PromptFormat
-from lazyrag.store import ChunkInfo, Store, StoreError, StoreMismatch
+from lazyrag.serve import Engine, Request, Sampling, Sequence
+from lazyrag.store import Store, StoreError, StoreMismatch
 
 
 @dataclass
-class Query:
-    id: str
-    question: str
-    line: int
-    docs: list[str] | None = None
-    chunks: list[str] | None = None
-    answers: list[str] | None = None
+class RunSummary:
+    record: dict
+    skipped: int
+    bad: list[str] = field(default_factory=list)
 
 
-class QueryError(ValueError):
-    pass
+class AnswersFile:
+    """The answers JSONL, appended to: `done` holds the ids already answered, and each row
+    written is synced to disk at once, so a killed run resumes where it stopped."""
 
+    def __init__(self, path: Path):
+        self.done = answered_ids(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._fh = open(path, "a", encoding="utf-8")
 
-def read_queries(path: Path, report: Callable[[str], None]) -> Iterator[Query]:
-    """Parse the queries file; a bad line is reported as `file:line: reason` and skipped."""
-    try:
-        fh = open(path, encoding="utf-8")
-    except OSError as exc:
-        raise QueryError(f"{path}: cannot read the queries file ({exc.strerror})") from None
-    seen: set[str] = set()
-    with fh:
-        for n, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                q = _parse_query(line, n)
-            except (ValueError, UnicodeDecodeError) as exc:
-                report(f"{path}:{n}: {exc}")
-                continue
-            if q.id in seen:
-                report(f"{path}:{n}: duplicate query id {q.id!r}")
-                continue
-            seen.add(q.id)
-            yield q
+    def write(self, row: dict) -> None:
+        self._fh.write(json.dumps(row, ensure_ascii=False) + "\n")
+        self._fh.flush()
+        os.fsync(self._fh.fileno())
 
-
-def _parse_query(line: str, n: int) -> Query:
-    obj = json.loads(line)
-    if not isinstance(obj, dict):
-        raise ValueError("expected a JSON object")
-    qid, question = obj.get("id"), obj.get("question")
-    if qid is None or not isinstance(question, str) or not question.strip():
-        raise ValueError('needs "id" and a non-empty "question"')
-    lists = {}
-    for key in ("docs", "chunks", "answers"):
-        value = obj.get(key)
-        if value is not None and not (isinstance(value, list) and all(isinstance(v, (str, int)) for v in value)):
-            raise ValueError(f'"{key}" must be a list of strings')
-        lists[key] = [str(v) for v in value] if value is not None else None
-    return Query(str(qid), question, n, **lists)
+    def close(self) -> None:
+        self._fh.close()
 
 
 def answered_ids(out: Path) -> set[str]:
@@ -88,26 +61,23 @@ def answered_ids(out: Path) -> set[str]:
     return done
 
 
-@dataclass
-class RunSummary:
-    record: dict
-    skipped: int
-    bad: list[str] = field(default_factory=list)
-
-
-def answer_file(cfg: AnswerConfig, report: Callable[[str], None] = print, progress: bool = True,
-                model_name: str | None = None) -> RunSummary:
-    store = Store.open(cfg.store)
+def load_model_for(store: Store, cfg: AnswerConfig) -> LoadedModel:
+    """The model the store was built with (or cfg.model, which must have the same fingerprint)."""
     s = store.settings
-    loaded = load_model(model_name or s.model, cfg.device, s.kv_dtype, cfg.trust_remote_code)
+    loaded = load_model(cfg.model or s.model, cfg.device, s.kv_dtype, cfg.trust_remote_code)
     if loaded.fingerprint != s.fingerprint:
         raise StoreMismatch(f"{cfg.store} was built with model fingerprint {s.fingerprint[:16]}, but "
                             f"{loaded.name} now has {loaded.fingerprint[:16]}; re-index into a new --store")
-    fmt = PromptFormat(loaded.tokenizer)
-    if tuple(fmt.preamble_ids()) != tuple(s.preamble_ids):
+    if tuple(PromptFormat(loaded.tokenizer).preamble_ids()) != tuple(s.preamble_ids):
         raise StoreMismatch(f"{cfg.store}: the stored preamble differs from this lazyrag's prompt; re-index")
+    return loaded
 
-    done = answered_ids(cfg.out)
+
+def answer_file(cfg: AnswerConfig, report: Callable[[str], None] = print, progress: bool = True) -> RunSummary:
+    store = Store.open(cfg.store)
+    loaded = load_model_for(store, cfg)
+    fmt = PromptFormat(loaded.tokenizer)
+    answers = AnswersFile(cfg.out)
     bad: list[str] = []
 
     def note_bad(msg: str) -> None:
@@ -119,46 +89,39 @@ def answer_file(cfg: AnswerConfig, report: Callable[[str], None] = print, progre
     def requests() -> Iterator[Request]:
         nonlocal retriever
         for q in read_queries(cfg.queries, note_bad):
-            if q.id in done:
+            if q.id in answers.done:
                 continue
             try:
                 if not q.chunks and not q.docs and retriever is None:
-                    from lazyrag.retrieve import Retriever
+                    from lazyrag.retrieve import Retriever  # bm25s loads only when a query needs it
 
                     retriever = Retriever(store)
                 chunks = resolve_chunks(store, q, retriever, cfg.top_k)
             except StoreError as exc:
                 note_bad(f"{cfg.queries}:{q.line}: query {q.id}: {exc}")
-                write({"id": q.id, "error": str(exc)})
+                answers.write({"id": q.id, "error": str(exc)})
                 continue
             yield Request(q.id, chunks, fmt.question_ids(q.question), cfg.max_new_tokens,
                           arrival=time.perf_counter(), meta={"answers": q.answers})
 
-    cfg.out.parent.mkdir(parents=True, exist_ok=True)
-    out = open(cfg.out, "a", encoding="utf-8")
     results: list[dict] = []
 
-    def write(row: dict) -> None:
-        out.write(json.dumps(row, ensure_ascii=False) + "\n")
-        out.flush()
-        os.fsync(out.fileno())
-
-    def finish(r: Request) -> None:
+    def finish(r: Sequence) -> None:
         row = {
             "id": r.id, "answer": loaded.tokenizer.decode(r.generated, skip_special_tokens=True).strip(),
-            "mode": cfg.mode, "chunks": [c.chunk_id for c in r.chunks],
+            "mode": cfg.mode.value, "chunks": [c.chunk_id for c in r.chunks],
             "ttft_ms": round(r.ttft_ms, 2), "latency_ms": round(r.latency_ms, 2), "new_tokens": len(r.generated),
             "cache": {"hits": r.hits, "misses": r.misses},
         }
         if r.meta.get("answers"):
-            row["score"] = metrics.score(row["answer"], r.meta["answers"])
-        write(row)
+            row["score"] = scoring.score(row["answer"], r.meta["answers"])
+        answers.write(row)
         results.append(row)
         bar.update(1)
 
     from tqdm import tqdm
 
-    bar = tqdm(desc=f"answer ({cfg.mode})", unit="q", disable=not progress, dynamic_ncols=True)
+    bar = tqdm(desc=f"answer ({cfg.mode.value})", unit="q", disable=not progress, dynamic_ncols=True)
     engine = Engine(loaded, store, cfg.mode, cfg.cache_gb * 2**30, cfg.batch_size,
                     Sampling(cfg.temperature, cfg.top_p, cfg.seed), cfg.host_cache_gb * 2**30,
                     cuda_graphs=cfg.cuda_graphs)
@@ -167,39 +130,28 @@ def answer_file(cfg: AnswerConfig, report: Callable[[str], None] = print, progre
         engine.run(requests(), finish, lookahead=cfg.prefetch)
     finally:
         seconds = time.perf_counter() - t0
-        out.close()
+        answers.close()
         bar.close()
         engine.close()
         record = run_record(cfg, loaded.name, engine, results, seconds, len(bad))
         if results:
             store.add_run(record)
-    return RunSummary(record, skipped=len(done), bad=bad)
-
-
-def resolve_chunks(store: Store, q: Query, retriever, top_k: int) -> list[ChunkInfo]:
-    """A query's chunks, else all chunks of its docs in order, else the top-k retrieved."""
-    if q.chunks:
-        return [store.chunk(cid) for cid in q.chunks]
-    if q.docs:
-        missing = [d for d in q.docs if not store.doc_chunks(d)]
-        if missing:
-            raise StoreError(f"unknown doc ids: {', '.join(missing)}")
-        return [c for d in q.docs for c in store.doc_chunks(d)]
-    return [store.chunk(cid) for cid in retriever.top_k(q.question, top_k)]
+    return RunSummary(record, skipped=len(answers.done), bad=bad)
 
 
 def run_record(cfg: AnswerConfig, model: str, engine: Engine, rows: list[dict], seconds: float, bad: int) -> dict:
+    """One run's line in the store's run log (what `lazyrag stats` shows)."""
     scored = [r["score"] for r in rows if "score" in r]
     new_tokens = sum(r["new_tokens"] for r in rows)
     record = {
-        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "mode": cfg.mode, "model": model,
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "mode": cfg.mode.value, "model": model,
         "device": str(engine.device), "queries": len(rows), "bad_lines": bad,
         "queries_file": str(cfg.queries), "out": str(cfg.out), "seconds": round(seconds, 3),
         "settings": {"batch_size": cfg.batch_size, "cache_gb": cfg.cache_gb, "host_cache_gb": cfg.host_cache_gb,
                      "max_new_tokens": cfg.max_new_tokens, "top_k": cfg.top_k, "temperature": cfg.temperature},
         "cache": engine.cache.counters.to_json(),
-        "ttft_ms": metrics.summarize([r["ttft_ms"] for r in rows]),
-        "latency_ms": metrics.summarize([r["latency_ms"] for r in rows]),
+        "ttft_ms": scoring.summarize([r["ttft_ms"] for r in rows]),
+        "latency_ms": scoring.summarize([r["latency_ms"] for r in rows]),
         "new_tokens": new_tokens,
         "tokens_per_s": round(new_tokens / seconds, 2) if seconds > 0 else None,
         "queries_per_s": round(len(rows) / seconds, 3) if seconds > 0 else None,

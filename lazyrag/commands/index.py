@@ -12,19 +12,19 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
 
 from lazyrag.config import IndexConfig
-from lazyrag.corpus import CorpusStats, chunk_document, read_corpus
+from lazyrag.corpus import SPLITTER, CorpusStats, Document, chunk_document, read_corpus
 from lazyrag.models import LoadedModel, load_model
-from lazyrag.serve.paged import Feed, PagedAttention, PagePool, StepInputs, page_rows
 from lazyrag.models.prompt import PromptFormat
+from lazyrag.serve.paged import Feed, PagedAttention, PagePool, StepInputs, page_rows
 from lazyrag.store import NewChunk, Store, StoreSettings, chunk_id_for, kv_to_storage
 
-SPLITTER = "paragraph-sentence-v1"
 ENCODING = {"attend": "preamble+self", "positions": "chunk-local after preamble"}
 
 
@@ -54,6 +54,36 @@ def store_settings(loaded: LoadedModel, name: str, chunk_tokens: int, page_size:
         chunking={"chunk_tokens": chunk_tokens, "splitter": SPLITTER, "separator_ids": fmt.separator_ids()},
         encoding=ENCODING,
     )
+
+
+def stored_chunks(doc: Document, tokenizer, settings: StoreSettings) -> list[NewChunk]:
+    """A document's chunks as the store keeps them: separator appended, id from the content."""
+    separator = tuple(settings.chunking["separator_ids"])
+    chunks = []
+    for ordinal, chunk in enumerate(chunk_document(doc.model_text, tokenizer, settings.chunking["chunk_tokens"])):
+        ids = tuple(chunk.token_ids) + separator
+        chunks.append(NewChunk(chunk_id_for(settings, ids), doc.id, ordinal, ids, chunk.text))
+    return chunks
+
+
+def pages_per_batch(cfg: IndexConfig, settings: StoreSettings) -> int:
+    """Pages one forward pass holds: cfg.batch_tokens, and at least one whole chunk."""
+    longest = cfg.chunk_tokens + len(settings.chunking["separator_ids"])
+    return max(cfg.batch_tokens, longest) // cfg.page_size + 1
+
+
+def page_batches(chunks: list[NewChunk], batch_pages: int, page_size: int) -> Iterator[list[NewChunk]]:
+    """Consecutive runs of chunks whose pages fit in batch_pages (a longer chunk goes alone)."""
+    batch, pages = [], 0
+    for c in chunks:
+        need = -(-len(c.token_ids) // page_size)
+        if batch and pages + need > batch_pages:
+            yield batch
+            batch, pages = [], 0
+        batch.append(c)
+        pages += need
+    if batch:
+        yield batch
 
 
 class ChunkEncoder:
@@ -147,8 +177,6 @@ def build_index(cfg: IndexConfig, report=print, progress: bool = True, loaded: L
 
 def _index_into(store: Store, loaded: LoadedModel, settings: StoreSettings, cfg: IndexConfig, report,
                 progress: bool, t0: float) -> IndexResult:
-    separator = list(settings.chunking["separator_ids"])
-
     # Chunk the whole corpus first: cheap next to the model, and it gives the bar a total.
     stats = CorpusStats()
     todo: dict[str, NewChunk] = {}
@@ -156,25 +184,22 @@ def _index_into(store: Store, loaded: LoadedModel, settings: StoreSettings, cfg:
     doc_ids = []
     for doc in read_corpus(cfg.corpus, skip_bad=cfg.skip_bad, report=report, stats=stats):
         doc_ids.append(doc.id)
-        for ordinal, chunk in enumerate(chunk_document(doc.model_text, loaded.tokenizer, cfg.chunk_tokens)):
-            ids = tuple(chunk.token_ids) + tuple(separator)
-            cid = chunk_id_for(settings, ids)
-            new = NewChunk(cid, doc.id, ordinal, ids, chunk.text)
-            if cid not in todo and not store.has_chunk(cid):
-                todo[cid] = new
+        for new in stored_chunks(doc, loaded.tokenizer, settings):
+            if new.chunk_id not in todo and not store.has_chunk(new.chunk_id):
+                todo[new.chunk_id] = new
             else:  # the same text elsewhere: one stored copy, referenced by both documents
                 shared.append(new)
     store.note_documents(doc_ids)
     store.link(shared)
 
-    batch_pages = max(cfg.batch_tokens, cfg.chunk_tokens + len(separator)) // cfg.page_size + 1
+    batch_pages = pages_per_batch(cfg, settings)
     tokens_added = sum(len(c.token_ids) for c in todo.values())
     if todo:
         encoder = ChunkEncoder(loaded, list(settings.preamble_ids), cfg.page_size, batch_pages)
         writer = StoreWriter(store)
-        bar = _bar(len(todo), tokens_added, progress)
+        bar = _ProgressBar(len(todo), progress)
         try:
-            for batch in _batches(list(todo.values()), batch_pages, cfg.page_size):
+            for batch in page_batches(list(todo.values()), batch_pages, cfg.page_size):
                 kv = encoder.encode([list(c.token_ids) for c in batch])
                 writer.put(batch, kv)
                 bar.update(len(batch), sum(len(c.token_ids) for c in batch))
@@ -189,23 +214,10 @@ def _index_into(store: Store, loaded: LoadedModel, settings: StoreSettings, cfg:
     )
 
 
-def _batches(chunks: list[NewChunk], batch_pages: int, page_size: int):
-    batch, pages = [], 0
-    for c in chunks:
-        need = -(-len(c.token_ids) // page_size)
-        if batch and pages + need > batch_pages:
-            yield batch
-            batch, pages = [], 0
-        batch.append(c)
-        pages += need
-    if batch:
-        yield batch
-
-
-class _bar:
+class _ProgressBar:
     """tqdm over chunks, with tokens/s beside it (stderr; silent when progress is off)."""
 
-    def __init__(self, chunks: int, tokens: int, enabled: bool):
+    def __init__(self, chunks: int, enabled: bool):
         from tqdm import tqdm
 
         self.t0 = time.perf_counter()

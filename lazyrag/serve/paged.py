@@ -3,6 +3,7 @@
 `PagePool` is the memory: one tensor [2 (k/v), layers, num_pages, page_size,
 kv_heads, head_dim] and a free list (k/v outermost, so all layers' key pages form
 one [layers * num_pages, ...] array: block mode copies every layer in one launch).
+In serving, the chunk cache is the only thing that allocates and releases its pages.
 A request sees the pool through page rows (see `page_rows`): which physical page, its
 rotation shift `delta`, the stored position of its first token and how many of its
 tokens are valid. A step's inputs (tokens, positions, K/V slots, page table) are packed
@@ -30,12 +31,16 @@ class OutOfPages(RuntimeError):
     pass
 
 
+def pages_for(tokens: int, page_size: int) -> int:
+    return -(-tokens // page_size)
+
+
 class PagePool:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_pages: int, page_size: int,
                  dtype: torch.dtype, device: torch.device):
         self.page_size = page_size
         self.kv = torch.zeros(2, num_layers, num_pages, page_size, num_kv_heads, head_dim, dtype=dtype, device=device)
-        self.free_pages = list(range(num_pages - 1, -1, -1))
+        self._free = list(range(num_pages - 1, -1, -1))  # a stack: page 0 is handed out first
         self.num_pages = num_pages
         self.peak_used = 0
 
@@ -54,20 +59,25 @@ class PagePool:
 
     @property
     def used(self) -> int:
-        return self.num_pages - len(self.free_pages)
+        return self.num_pages - len(self._free)
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
 
     def pages_for(self, tokens: int) -> int:
-        return -(-tokens // self.page_size)
+        return pages_for(tokens, self.page_size)
 
     def alloc(self, n: int) -> list[int]:
-        if n > len(self.free_pages):
-            raise OutOfPages(f"need {n} pages, {len(self.free_pages)} free of {self.num_pages}")
-        pages = [self.free_pages.pop() for _ in range(n)]
+        """Lowest page ids first; released pages are the next handed out (a stack)."""
+        if n > len(self._free):
+            raise OutOfPages(f"need {n} pages, {len(self._free)} free of {self.num_pages}")
+        pages = [self._free.pop() for _ in range(n)]
         self.peak_used = max(self.peak_used, self.used)
         return pages
 
     def release(self, pages: list[int]) -> None:
-        self.free_pages.extend(reversed(pages))
+        self._free.extend(reversed(pages))
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.kv[0, i], self.kv[1, i]
@@ -97,7 +107,7 @@ PAGE, DELTA, START, LENGTH = range(4)
 
 def page_rows(pages: list[int], start: int, tokens: int, delta: int, page_size: int) -> np.ndarray:
     """Rows for a run of `tokens` tokens stored from position `start` in consecutive pages."""
-    n = -(-tokens // page_size)
+    n = pages_for(tokens, page_size)
     i = np.arange(n, dtype=np.int32)
     rows = np.empty((n, 4), dtype=np.int32)
     rows[:, PAGE] = pages[:n]
@@ -179,7 +189,7 @@ def pack_step(feeds: list[Feed], page_size: int, batch: int | None = None, pad_s
     with one-token rows that read no pages and write their K/V to `pad_slot` (CUDA graphs
     run a fixed batch)."""
     B = batch or len(feeds)
-    counts = [f.n_context + -(-(f.first + len(f.tokens)) // page_size) for f in feeds]
+    counts = [f.n_context + pages_for(f.first + len(f.tokens), page_size) for f in feeds]
     T = sum(len(f.tokens) for f in feeds) + (B - len(feeds))
     layout = StepLayout(B, max(counts, default=0), T)
     host = torch.empty(layout.size, dtype=torch.int32, pin_memory=pin)

@@ -1,0 +1,107 @@
+"""The key loop both attention kernels share: a request's pages walked one page per key block,
+with online softmax and the rotated query rebuilt where a page's delta changes.
+
+Also the host-side values that pick its variant (dtype, dot precision, offset width).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .rotation import cos_sin, join, rotate
+
+LOG2E = 1.4426950408889634  # the loop works in exp2: scores are scaled by sm_scale * log2(e)
+TL_DTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+
+
+def precision(dtype: torch.dtype) -> str:
+    """The dots' input precision: exact for fp32 inputs, tensor cores otherwise."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def needs_idx64(k_pages: torch.Tensor, v_pages: torch.Tensor) -> bool:
+    # int32 page offsets suffice while every element of the pools is addressable in int32
+    return max(k_pages.shape[0] * k_pages.stride(0), v_pages.shape[0] * v_pages.stride(0)) >= 2**31
+
+
+@triton.jit
+def query_at(qrows, qmask, qpos, d, invf, HALF: tl.constexpr, DTYPE: tl.constexpr):
+    """R(m - d) q for query rows at positions m against a page of delta d, cast to DTYPE."""
+    offs_h = tl.arange(0, HALF)
+    q1 = tl.load(qrows[:, None] + offs_h[None, :], mask=qmask[:, None], other=0.0).to(tl.float32)
+    q2 = tl.load(qrows[:, None] + HALF + offs_h[None, :], mask=qmask[:, None], other=0.0).to(tl.float32)
+    c, s = cos_sin((qpos - d).to(tl.float32)[:, None] * invf[None, :])  # int32 difference, then fp32
+    r1, r2 = rotate(q1, q2, c, s)
+    return join(r1, r2, DTYPE)
+
+
+@triton.jit
+def page_step(q, p, d, qpos, qmin, acc, m_i, l_i, K, V, ids_row, start_row, len_row, kvh,
+              stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, qk_scale,
+              DTYPE: tl.constexpr, PS: tl.constexpr, HALF: tl.constexpr,
+              PREC: tl.constexpr, IDX64: tl.constexpr, TMA: tl.constexpr):
+    """Online softmax over page entry p (of delta d): one key block of PS keys."""
+    offs_n = tl.arange(0, PS)
+    offs_d = tl.arange(0, 2 * HALF)
+    pid = tl.load(ids_row + p)
+    k0 = tl.load(start_row + p) + d  # logical position of the page's first key
+    n_valid = tl.load(len_row + p)
+    if IDX64:
+        pid = pid.to(tl.int64)
+    if TMA:  # Hopper: the page's rows of this KV head as one TMA tile
+        k = K.load([pid * PS, kvh * (2 * HALF)])
+    else:
+        k = tl.load(K + pid * stride_kp + kvh * stride_kh + offs_n[:, None] * stride_kt + offs_d[None, :])
+    s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+    # mask only pages that need it: partly filled, or holding keys after the earliest query
+    if (n_valid < PS) | (k0 + PS - 1 > qmin):
+        keep = (offs_n < n_valid)[None, :] & ((k0 + offs_n)[None, :] <= qpos[:, None])
+        s = tl.where(keep, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    pr = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(pr, axis=1)
+    # values are read whole, padding rows included: their weights are 0, and the pool is
+    # zero-initialised, so they are finite
+    if TMA:
+        v = V.load([pid * PS, kvh * (2 * HALF)])
+    else:
+        v = tl.load(V + pid * stride_vp + kvh * stride_vh + offs_n[:, None] * stride_vt + offs_d[None, :])
+    acc = acc * alpha[:, None]
+    acc = tl.dot(pr.to(DTYPE), v, acc, input_precision=PREC)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def attn_pages(qrows, qmask, qpos, qmin, invf, acc, m_i, l_i,
+               K, V, ids_row, delta_row, start_row, len_row, kvh, p_lo, p_hi,
+               stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
+               qk_scale,
+               DTYPE: tl.constexpr, PS: tl.constexpr, HALF: tl.constexpr, BLOCK_M: tl.constexpr,
+               ROTATE: tl.constexpr, PREC: tl.constexpr, IDX64: tl.constexpr, TMA: tl.constexpr):
+    """Online softmax over page entries [p_lo, p_hi) of one request, one page per key block.
+
+    qrows: row pointers to the query (qmin: the earliest position among the rows, which
+    decides where the causal mask can start). A row at position m needs R(m - d) q against a
+    page of delta d. The rotated query is carried through one flat loop and rebuilt only
+    where the delta changes (a chunk's pages share one), so most pages cost what they cost
+    without rotation: one full-width dot. A rebuild re-reads the rows (L2) and rotates them
+    from scratch, in fp32, by each row's own angle: with cheap cos/sin that beats keeping a
+    per-row rotation in scratch, and one flat loop beats a loop per delta.
+    """
+    if ROTATE:
+        q = tl.zeros([BLOCK_M, 2 * HALF], dtype=DTYPE)
+    else:
+        q = tl.load(qrows[:, None] + tl.arange(0, 2 * HALF)[None, :], mask=qmask[:, None], other=0.0).to(DTYPE)
+    d_cur = -2147483647 - 1  # no page has delta INT32_MIN: the first page builds the query
+    for p in range(p_lo, p_hi):
+        d = tl.load(delta_row + p)
+        if ROTATE:
+            if d != d_cur:
+                q = query_at(qrows, qmask, qpos, d, invf, HALF, DTYPE)
+                d_cur = d
+        acc, m_i, l_i = page_step(q, p, d, qpos, qmin, acc, m_i, l_i, K, V, ids_row, start_row, len_row, kvh,
+                                  stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, qk_scale,
+                                  DTYPE, PS, HALF, PREC, IDX64, TMA)
+    return acc, m_i, l_i

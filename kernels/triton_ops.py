@@ -1,0 +1,6 @@
+"""The Triton kernels behind the public API, with the reference's signatures (no argument checks)."""
+from .decode import lazy_decode
+from .page_copy import rotate_copy
+from .prefill import lazy_prefill
+
+__all__ = ["lazy_decode", "lazy_prefill", "rotate_copy"]

@@ -1,0 +1,186 @@
+"""The three ways a request's context is placed in the pool, one class each.
+
+  lazy   chunk pages are shared by every request that uses them; the kernels rotate
+         each query by (its position - the chunk's shift). Zero copies.
+  block  Block-Attention: each request gets its own copy of its chunks, keys
+         re-rotated to their logical positions (fused rotate_copy), then ordinary
+         attention. The copies take pool pages, as they would in a deployment.
+  full   the whole prompt is recomputed with ordinary causal attention: the quality
+         reference and the no-cache baseline.
+
+All three build the same token ids, [preamble][chunk]...[chunk][question], at the same
+logical positions. A mode says which pages a request needs (the scheduler's fit check),
+places it (page rows, pins, copies) and names the tokens its prefill feeds. The engine
+picks the class once, with `select_mode`; nothing else looks at a mode's name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, ClassVar
+
+import numpy as np
+
+from lazyrag.config import Mode
+from lazyrag.serve.cache import ChunkCache, Resident
+from lazyrag.serve.paged import Feed, page_rows, pages_for
+from lazyrag.serve.request import Placement, Request, Sequence
+from lazyrag.store import ChunkInfo
+
+
+@dataclass(frozen=True)
+class ChunkCopy:
+    """Copy a chunk's pages `src` to `dst`, rotating its keys by `delta` positions."""
+
+    src: list[int]
+    dst: list[int]
+    delta: int
+
+
+RotateCopy = Callable[[list[ChunkCopy]], None]
+
+
+class ServingMode:
+    """Placement shared by the modes; subclasses say where chunks go and what the prompt holds.
+
+    The stored chunks were encoded after the preamble, at positions P..; a chunk that starts
+    at logical position `pos` of a prompt is shifted by pos - P."""
+
+    rotate_queries: ClassVar[bool] = False  # the kernels rotate each query per page by its delta
+
+    def __init__(self, preamble_ids: list[int], page_size: int, rotate_copy: RotateCopy):
+        self.preamble_ids = list(preamble_ids)
+        self.P = len(self.preamble_ids)
+        self.page_size = page_size
+        self.rotate_copy = rotate_copy
+        self.preamble = page_rows([], 0, 0, 0, page_size)  # rows of the shared preamble, once placed
+
+    # -- what a request needs -----------------------------------------------------------
+    def cached_chunks(self, request: Request) -> list[ChunkInfo]:
+        """Chunks the request reads through the chunk cache."""
+        return request.chunks
+
+    def prompt_ids(self, request: Request) -> list[int]:
+        """The tokens its prefill feeds (its own prompt; the rest of the context is placed)."""
+        return request.question_ids
+
+    def own_tokens(self, seq: Sequence) -> int:
+        """Tokens in its own pages: prompt and answer."""
+        return len(self.prompt_ids(seq.request)) + seq.max_new_tokens
+
+    def private_pages(self, info: ChunkInfo) -> int:
+        """Pages a chunk takes besides its shared copy."""
+        return 0
+
+    def pages_needed(self, seq: Sequence, cache: ChunkCache) -> int:
+        """Pages placing the request would allocate now (chunks already resident cost none)."""
+        needed = pages_for(self.own_tokens(seq), self.page_size)
+        for info in self.cached_chunks(seq.request):
+            if not cache.is_resident(info.chunk_id):
+                needed += pages_for(info.padded_length, self.page_size)
+            needed += self.private_pages(info)
+        return needed
+
+    # -- placing it -----------------------------------------------------------------------
+    def place_preamble(self, cache: ChunkCache) -> Feed | None:
+        """Give the shared preamble its pages (positions 0..P-1, never evicted) and return the
+        step that computes its K/V; None where the mode shares no preamble."""
+        self.preamble = page_rows(cache.alloc(pages_for(self.P, self.page_size)), 0, self.P, 0, self.page_size)
+        return Feed(self.preamble, 0, 0, 0, self.preamble_ids)
+
+    def place(self, seq: Sequence, cache: ChunkCache) -> Placement:
+        """Pin or copy the request's chunks and give it pages for its own tokens."""
+        ps = self.page_size
+        chunks = self.cached_chunks(seq.request)
+        pins = self._pin(seq, chunks, cache)
+        chunk_rows, copies = self._chunk_rows(chunks, pins, cache)
+        own_start = self.own_start(seq.request)
+        own_pages = cache.alloc(pages_for(self.own_tokens(seq), ps))
+        own = page_rows(own_pages, own_start, len(own_pages) * ps, 0, ps)  # whole pages: see paged.Feed
+        context = [self.preamble, *chunk_rows]
+        placement = Placement(np.concatenate(context + [own]), sum(map(len, context)), own_start,
+                              self.prompt_ids(seq.request), pins, own_pages, [p for c in copies for p in c.dst])
+        if copies:
+            self.rotate_copy(copies)
+            for entry in pins:  # the copy is all the request needs now
+                cache.release(entry)
+            placement.pins = []
+        return placement
+
+    def own_start(self, request: Request) -> int:
+        """Logical position of the request's first own token: after the preamble and its chunks."""
+        return self.P + sum(c.length for c in request.chunks)
+
+    def _pin(self, seq: Sequence, chunks: list[ChunkInfo], cache: ChunkCache) -> list[Resident]:
+        # resident chunks first, so loading the others cannot evict them
+        order = sorted(range(len(chunks)), key=lambda i: not cache.is_resident(chunks[i].chunk_id))
+        pins: list[Resident | None] = [None] * len(chunks)
+        for i in order:
+            hit = cache.is_resident(chunks[i].chunk_id)
+            pins[i] = cache.acquire(chunks[i])
+            seq.hits, seq.misses = seq.hits + hit, seq.misses + (not hit)
+        return pins
+
+    def _chunk_rows(self, chunks: list[ChunkInfo], pins: list[Resident],
+                    cache: ChunkCache) -> tuple[list[np.ndarray], list[ChunkCopy]]:
+        """Page rows of each chunk in prompt order, and the copies they need made."""
+        raise NotImplementedError
+
+
+class Lazy(ServingMode):
+    """Chunks read in place from their shared pages, shifted by the kernels."""
+
+    rotate_queries = True
+
+    def _chunk_rows(self, chunks, pins, cache):
+        rows, pos = [], self.P
+        for info, entry in zip(chunks, pins):
+            rows.append(page_rows(entry.pages, self.P, info.length, pos - self.P, self.page_size))
+            pos += info.length
+        return rows, []
+
+
+class Block(ServingMode):
+    """A private copy of each chunk whose keys sit at their logical positions."""
+
+    def private_pages(self, info: ChunkInfo) -> int:
+        return pages_for(info.padded_length, self.page_size)
+
+    def _chunk_rows(self, chunks, pins, cache):
+        rows, copies, pos = [], [], self.P
+        for info, entry in zip(chunks, pins):
+            dst = cache.alloc(len(entry.pages))
+            copies.append(ChunkCopy(entry.pages, dst, pos - self.P))
+            rows.append(page_rows(dst, pos, info.length, 0, self.page_size))
+            pos += info.length
+        return rows, copies
+
+
+class Full(ServingMode):
+    """No cache: the whole prompt is the request's own tokens, computed at prefill."""
+
+    def cached_chunks(self, request: Request) -> list[ChunkInfo]:
+        return []
+
+    def prompt_ids(self, request: Request) -> list[int]:
+        return self.preamble_ids + [t for c in request.chunks for t in c.token_ids] + request.question_ids
+
+    def own_start(self, request: Request) -> int:
+        return 0
+
+    def place_preamble(self, cache: ChunkCache) -> Feed | None:
+        return None
+
+    def _chunk_rows(self, chunks, pins, cache):
+        return [], []
+
+
+MODE_CLASSES: dict[Mode, type[ServingMode]] = {Mode.LAZY: Lazy, Mode.BLOCK: Block, Mode.FULL: Full}
+
+
+def select_mode(mode: Mode | str) -> type[ServingMode]:
+    """The class of a mode, given the enum or its value."""
+    try:
+        return MODE_CLASSES[Mode(mode)]
+    except ValueError:
+        raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(m.value for m in Mode)}") from None

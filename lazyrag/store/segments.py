@@ -1,0 +1,214 @@
+"""Segment files: each append's KV as one zarr v3 array, written whole and made durable, and
+read back one chunk at a time, with one pread when the segment has the layout written here."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import zarr
+from zarr.codecs import BytesCodec, ShardingCodec
+
+from .catalog import ChunkInfo
+from .format import SEGMENTS, StoreError, StoreSettings, torch_dtype
+
+
+def fsync_path(path: Path) -> None:
+    """fsync one file or directory."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(path: Path) -> None:
+    """fsync every file and directory under ``path`` (and ``path`` itself)."""
+    for dirpath, _dirs, files in os.walk(path):
+        for name in files:
+            fsync_path(Path(dirpath) / name)
+        fsync_path(Path(dirpath))
+
+
+def write_segment(root: Path, settings: StoreSettings, data: np.ndarray, seq: int) -> str:
+    """Write ``data`` as segment number ``seq`` of the store at ``root``, durable; return its name.
+
+    The segment is a zarr v3 array with one shard (the whole segment) of
+    uncompressed page-sized inner chunks. zarr writes the metadata; the shard file
+    is written here in the sharding codec's own layout (the pages back to back in
+    row order, then the index of (offset, nbytes) pairs), straight from ``data``
+    with no intermediate copies: zarr's own encoder copies every page twice.
+    """
+    name = f"seg-{seq:06d}-{secrets.token_hex(4)}"
+    s = settings
+    rows = data.shape[0]
+    n_pages = rows // s.page_size
+    arr = zarr.create_array(
+        store=str(root),
+        name=f"{SEGMENTS}/{name}",
+        shape=data.shape,
+        dtype=data.dtype,
+        chunks=data.shape,
+        serializer=ShardingCodec(
+            chunk_shape=(s.page_size, *s.row_shape),
+            codecs=[BytesCodec(endian="little")],
+            index_codecs=[BytesCodec(endian="little")],
+            index_location="end",
+        ),
+        filters=None,
+        compressors=None,
+        fill_value=0,
+        attributes={"kv_dtype": s.kv_dtype},
+        write_data=False,
+    )
+    arr_dir = root / SEGMENTS / name
+    shard = arr_dir / arr.metadata.encode_chunk_key((0,) * data.ndim)
+    shard.parent.mkdir(parents=True, exist_ok=True)
+    page_bytes = s.page_size * s.row_bytes
+    index = np.empty((n_pages, 2), dtype="<u8")
+    index[:, 0] = np.arange(n_pages, dtype=np.uint64) * np.uint64(page_bytes)
+    index[:, 1] = page_bytes
+    fd = os.open(shard, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        for part in (memoryview(data).cast("B"), memoryview(index).cast("B")):
+            done = 0
+            while done < len(part):
+                done += os.write(fd, part[done:])
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    fsync_tree(arr_dir)
+    fsync_path(root / SEGMENTS)
+    return name
+
+
+@dataclass
+class _Segment:
+    name: str
+    file: Path  # the shard file holding the whole segment
+    data_start: int  # byte offset of row 0 in that file, when rows are contiguous
+    contiguous: bool
+    fd: int | None = None
+
+
+class SegmentReader:
+    """Reads chunks' KV from the segments of the store at ``root``; keeps each segment's file open."""
+
+    def __init__(self, root: Path, settings: StoreSettings):
+        self.root = root
+        self.settings = settings
+        self._row_bytes = settings.row_bytes
+        self._segments: dict[str, _Segment] = {}
+        self._lock = threading.Lock()
+
+    def close(self) -> None:
+        """Close the open segment files (idempotent)."""
+        with self._lock:
+            for seg in self._segments.values():
+                if seg.fd is not None:
+                    os.close(seg.fd)
+                    seg.fd = None
+            self._segments.clear()
+
+    def byte_range(self, chunk: ChunkInfo) -> tuple[Path, int, int] | None:
+        """(file, first byte, bytes) of ``chunk``'s rows when one read of that file gets
+        them all; None when its segment is read through zarr instead."""
+        seg = self._segment(chunk.segment)
+        if not seg.contiguous:
+            return None
+        return seg.file, seg.data_start + chunk.offset * self._row_bytes, chunk.padded_length * self._row_bytes
+
+    def read_kv(self, chunk: ChunkInfo, out: torch.Tensor | None = None) -> torch.Tensor:
+        """A chunk's KV: ``[padded_length, num_layers, 2, num_kv_heads, head_dim]`` in
+        the logical dtype (K rotated at chunk-local positions, then V). Rows past
+        ``length`` are padding, as the writer gave them. With ``out`` (a contiguous CPU tensor of that
+        shape and dtype, e.g. pinned memory) the data is read into it and it is returned.
+        Safe to call from several threads.
+        """
+        s = self.settings
+        shape = (chunk.padded_length, *s.row_shape)
+        dtype = torch_dtype(s.kv_dtype)
+        if out is None:
+            out = torch.empty(shape, dtype=dtype)
+        elif tuple(out.shape) != shape or out.dtype != dtype or out.device.type != "cpu" or not out.is_contiguous():
+            raise StoreError(
+                f"out must be a contiguous CPU tensor of shape {shape} and dtype {dtype}, "
+                f"got {tuple(out.shape)} {out.dtype} on {out.device}"
+            )
+        seg = self._segment(chunk.segment)
+        buf = out.view(-1).view(torch.uint8).numpy()
+        if seg.contiguous and seg.fd is not None:
+            _pread_into(seg.fd, memoryview(buf), seg.data_start + chunk.offset * self._row_bytes, seg.file)
+        else:
+            arr = zarr.open_array(str(self.root / SEGMENTS / chunk.segment), mode="r")
+            data = arr[chunk.offset : chunk.offset + chunk.padded_length]
+            buf[:] = np.ascontiguousarray(data).view(np.uint8).reshape(-1)
+        return out
+
+    def _segment(self, name: str) -> _Segment:
+        with self._lock:
+            seg = self._segments.get(name)
+            if seg is None:
+                seg = self._segments[name] = self._load(name)
+            return seg
+
+    def _load(self, name: str) -> _Segment:
+        arr_dir = self.root / SEGMENTS / name
+        try:
+            meta = json.loads((arr_dir / "zarr.json").read_text())
+        except (OSError, ValueError) as e:
+            raise StoreError(f"store {self.root}: segment {name} is missing or damaged ({e})") from None
+        rows = meta["shape"][0]
+        file = arr_dir.joinpath("c", *(["0"] * len(meta["shape"])))
+        seg = _Segment(name=name, file=file, data_start=0, contiguous=False)
+        # The fast path reads rows straight from the shard file. It needs the layout
+        # write_segment writes: one shard, uncompressed page-sized inner chunks stored
+        # back to back in row order. Check that against the shard index; otherwise
+        # fall back to reading through zarr.
+        codecs = meta.get("codecs", [])
+        if len(codecs) != 1 or codecs[0].get("name") != "sharding_indexed":
+            return seg
+        conf = codecs[0]["configuration"]
+        inner = conf["codecs"]
+        endian = inner[0].get("configuration", {}).get("endian", "little") if inner else None
+        if [c["name"] for c in inner] != ["bytes"] or endian != "little":
+            return seg
+        page_size = self.settings.page_size
+        if conf["chunk_shape"][0] != page_size or meta["chunk_grid"]["configuration"]["chunk_shape"][0] != rows:
+            return seg
+        n_pages = rows // page_size
+        index_codecs = [c["name"] for c in conf.get("index_codecs", [])]
+        if index_codecs not in (["bytes"], ["bytes", "crc32c"]):
+            return seg
+        index_bytes = n_pages * 16 + (4 if "crc32c" in index_codecs else 0)
+        try:
+            size = file.stat().st_size
+            with open(file, "rb") as f:
+                if conf.get("index_location", "end") == "end":
+                    f.seek(size - index_bytes)
+                raw = f.read(index_bytes)
+        except OSError as e:
+            raise StoreError(f"store {self.root}: cannot read segment {name} ({e})") from None
+        index = np.frombuffer(raw[: n_pages * 16], dtype="<u8").reshape(n_pages, 2)
+        page_bytes = page_size * self._row_bytes
+        expected = index[0, 0] + np.arange(n_pages, dtype=np.uint64) * np.uint64(page_bytes)
+        if np.all(index[:, 1] == page_bytes) and np.array_equal(index[:, 0], expected):
+            seg.data_start = int(index[0, 0])
+            seg.contiguous = True
+            seg.fd = os.open(file, os.O_RDONLY)
+        return seg
+
+
+def _pread_into(fd: int, view: memoryview, offset: int, file: Path) -> None:
+    done, total = 0, len(view)
+    while done < total:
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n <= 0:
+            raise StoreError(f"{file}: unexpected end of file at byte {offset + done}")
+        done += n

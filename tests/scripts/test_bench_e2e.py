@@ -1,0 +1,30 @@
+"""scripts/bench_e2e.py end to end on the CPU with a tiny model: the benchmark itself must run
+(its numbers here mean nothing; the H200 runs are in docs/benchmarks.md)."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_bench_e2e_runs_every_workload(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the PyTorch reference kernels
+    env["OUT"] = str(tmp_path / "out")
+    cmd = [sys.executable, str(ROOT / "scripts" / "bench_e2e.py"), "--models", "random:tiny", "--docs", "8",
+           "--doc-tokens", "64", "--requests", "12", "--full-requests", "4", "--poisson-requests", "6",
+           "--rates", "0.9", "--rounds", "2", "--sweep-docs", "4", "--cache-gb", "0.5", "--batch-size", "4",
+           "--warm", "--eager-too"]
+    run = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    res = json.loads((tmp_path / "out" / "bench_e2e.json").read_text())["results"][0]
+    assert [r["mode"] for r in res["closed"]] == ["lazy", "block", "full"]
+    assert [r["mode"] for r in res["uniform"]] == ["lazy", "block"]
+    assert len(res["earlier_rounds"]) == 4  # round 1 of closed and uniform, both modes
+    assert all(r["requests"] == 12 for r in res["closed"][:2] + res["uniform"] + res["eager"] + res["warm"])
+    assert all(r["hit_ratio"] == 1.0 and r["warm"] for r in res["warm"])  # nothing left to read after warming
+    assert all(r["hit_ratio"] < 1.0 for r in res["closed"][:2])  # a cold run misses every chunk once
+    assert {r["mode"] for r in res["poisson"]} == {"lazy", "block"}
+    assert {r["mode"] for r in res["sweep"]} == {"lazy", "block"}
+    assert "**ratios** zipf" in run.stdout

@@ -1,0 +1,78 @@
+"""Step packing over the paged pool: what a CUDA graph replays, checked on the CPU, and the
+alignment of every packed field; page rows and the pool's free list."""
+
+import pytest
+import torch
+from serve_stores import make_store, place, request
+
+from lazyrag.models.prompt import PromptFormat
+from lazyrag.serve import Engine
+from lazyrag.serve.paged import (DELTA, LENGTH, PAGE, START, OutOfPages, PagedAttention, PagePool, StepInputs,
+                                 StepLayout, copy_step, pack_step, page_rows)
+
+
+def test_page_rows_cover_a_run_of_tokens_page_by_page():
+    rows = page_rows([7, 3, 9], start=5, tokens=10, delta=-2, page_size=4)
+    assert rows[:, PAGE].tolist() == [7, 3, 9]
+    assert rows[:, START].tolist() == [5, 9, 13]
+    assert rows[:, LENGTH].tolist() == [4, 4, 2]
+    assert rows[:, DELTA].tolist() == [-2, -2, -2]
+    assert page_rows([1, 2], 0, 0, 0, 4).shape == (0, 4)
+
+
+def test_pool_hands_out_free_pages_and_takes_them_back():
+    pool = PagePool(2, 1, 4, 3, 4, torch.float32, torch.device("cpu"))
+    assert pool.alloc(2) == [0, 1] and (pool.used, pool.num_free, pool.peak_used) == (2, 1, 2)
+    with pytest.raises(OutOfPages, match="need 2 pages, 1 free of 3"):
+        pool.alloc(2)
+    pool.release([0, 1])
+    assert (pool.used, pool.peak_used) == (0, 2) and pool.alloc(1) == [0]
+    kv = torch.arange(2 * 4 * 2 * 2 * 1 * 4, dtype=torch.float32).view(8, 2, 2, 1, 4)  # [tokens, layers, k/v, ...]
+    pool.write_tokens([2, 0], kv)
+    assert torch.equal(pool.read_tokens([2, 0]), kv)
+
+
+@pytest.mark.parametrize("mode", ["lazy", "block", "full"])
+def test_padded_wide_decode_step_matches_plain_step(tmp_path, tiny, mode):
+    """What a CUDA graph replays, checked on the CPU: the step padded to a larger batch (rows
+    that read no pages, K/V to a spare slot) and copied into a wider page table gives the
+    same logits for the real requests as the plain step."""
+    store = make_store(tmp_path, "random:tiny", chunk_tokens=48)
+    fmt = PromptFormat(tiny.tokenizer)
+    engine = Engine(tiny, store, mode, cache_bytes=8 << 20, batch_size=4)
+    page_size = engine.pool.page_size
+    reqs = place(engine, [request(store, fmt, "1", ["nile", "iron"], "Q one?"),
+                          request(store, fmt, "2", ["bach"], "Q two?")])
+    for r, t in zip(reqs, engine.runner.prefill(reqs).argmax(-1).tolist()):
+        r.generated.append(t)
+    feeds = [r.feed([r.generated[-1]]) for r in reqs]
+    plain = engine.runner.forward(feeds)
+    pad_slot = engine.cache.alloc(1)[0] * page_size
+    host, packed = pack_step(feeds, page_size, batch=5, pad_slot=pad_slot)
+    wide = StepLayout(5, packed.width + 7, 5)
+    buf = torch.full((wide.size,), 12345, dtype=torch.int32)  # junk past every count
+    copy_step(host, packed, buf, wide)
+    step = StepInputs.on(buf, wide)
+    assert step.decode and step.pages.count.tolist()[2:] == [0, 0, 0]
+    model = tiny.model
+    hidden = model(step.tokens, step.positions,
+                   PagedAttention(engine.pool, step, model.inv_freq, engine.runner.sm_scale,
+                                  engine.mode.rotate_queries))
+    padded = model.logits(hidden)[: len(reqs), : engine.runner.vocab]
+    torch.testing.assert_close(padded, plain, rtol=1e-4, atol=1e-4)
+    engine.close()
+
+
+def test_step_fields_are_16_byte_aligned_whatever_the_shape():
+    """Triton specialises kernels on pointer alignment: a field whose alignment followed the
+    batch size or width compiled a new kernel variant in the middle of a run."""
+    for batch, width, tokens in [(1, 1, 1), (3, 5, 7), (5, 162, 5), (32, 161, 40), (7, 3, 1000)]:
+        layout = StepLayout(batch, width, tokens)
+        buf = torch.zeros(layout.size, dtype=torch.int32)
+        step = StepInputs.on(buf, layout)
+        pages = step.pages
+        for t in (pages.ids, pages.delta, pages.start, pages.length, pages.count, step.cu_seqlens,
+                  step.tokens, step.positions, step.slots):
+            assert (t.data_ptr() - buf.data_ptr()) % 16 == 0
+        assert pages.ids.stride(0) % 4 == 0 and tuple(pages.ids.shape) == (batch, width)
+        assert step.slots.numel() == tokens and step.cu_seqlens.numel() == batch + 1

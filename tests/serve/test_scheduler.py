@@ -1,0 +1,96 @@
+"""Admission without a model: arrival order, the batch size limit, fit checks against the
+cache's free and evictable pages, waiting for running requests to free pages, and a request
+too large for the pool. Lazy mode, preamble of 3 tokens (page 0), page size 4."""
+
+import time
+
+import pytest
+from serve_fakes import PAGE_SIZE, PREAMBLE, chunk, make_cache, sequence
+
+from lazyrag.serve.modes import Lazy
+from lazyrag.serve.paged import OutOfPages
+from lazyrag.serve.scheduler import Scheduler
+
+A, B, C = chunk("a", 8), chunk("b", 8), chunk("c", 8)  # 2 pages each
+QUESTION = [7, 8]  # with 2 answer tokens: 1 own page
+
+
+def setup(num_pages, seqs, batch_size=4, lookahead=64):
+    cache, loader = make_cache(num_pages)
+    mode = Lazy(PREAMBLE, PAGE_SIZE, lambda copies: None)
+    mode.place_preamble(cache)
+    return Scheduler(mode, cache, batch_size, seqs, lookahead), cache, loader
+
+
+def finish(seq):
+    seq.finished_at = time.perf_counter()
+
+
+def test_admits_in_arrival_order_up_to_the_batch_size_then_decodes():
+    seqs = [sequence(str(i), [A], QUESTION, 2) for i in range(5)]
+    sched, _, _ = setup(32, seqs, batch_size=2)
+    step = sched.schedule()
+    assert step.prefill and [s.id for s in step.batch] == ["0", "1"]
+    step = sched.schedule()
+    assert not step.prefill and [s.id for s in step.batch] == ["0", "1"]  # the batch is full
+    finish(seqs[1])
+    assert [s.id for s in sched.retire()] == ["1"]
+    step = sched.schedule()
+    assert step.prefill and [s.id for s in step.batch] == ["2"]
+    assert [s.id for s in sched.running] == ["0", "2"]
+
+
+def test_fit_counts_resident_chunks_and_pages_eviction_could_free():
+    # 8 pages: preamble 1, then a request with one chunk needs 2 + 1
+    sched, cache, _ = setup(8, [])
+    cache.release(cache.acquire(B))  # resident, unpinned: its 2 pages can be evicted
+    cache.alloc(4)                   # held elsewhere: 1 page free
+    assert sched.fits(sequence("b", [B], QUESTION, 2))      # b resident: needs 1 own page
+    assert sched.fits(sequence("a", [A], QUESTION, 2))      # 3 pages: 1 free + b's 2
+    assert not sched.fits(sequence("ab", [A, B], QUESTION, 2))  # b is kept for it: 1 free < 1 + 2
+    assert not sched.fits(sequence("long", [A], QUESTION, 3))   # 2 own pages: 4 > 3
+
+
+def test_a_request_waits_until_running_ones_free_their_pages():
+    first, second = sequence("1", [A], QUESTION, 2), sequence("2", [B], QUESTION, 2)
+    sched, cache, _ = setup(5, [first, second])  # preamble + one request (3 pages) + 1 spare
+    step = sched.schedule()
+    assert [s.id for s in step.batch] == ["1"]  # the second does not fit beside it
+    step = sched.schedule()
+    assert not step.prefill and [s.id for s in step.batch] == ["1"]
+    assert [s.id for s in sched.waiting] == ["2"]
+    finish(first)
+    sched.retire()
+    step = sched.schedule()
+    assert step.prefill and [s.id for s in step.batch] == ["2"]
+    assert not cache.is_resident("a")  # evicted to make room
+    finish(second)
+    sched.retire()
+    assert sched.schedule() is None
+
+
+def test_a_request_that_can_never_fit_raises():
+    sched, _, _ = setup(4, [sequence("huge", [A, B], QUESTION, 2)])  # needs 5 pages, 3 exist besides the preamble
+    with pytest.raises(OutOfPages, match="request huge does not fit in the cache even alone"):
+        sched.schedule()
+
+
+def test_a_request_is_not_admitted_before_it_arrives():
+    t0 = time.perf_counter()
+    sched, _, _ = setup(32, [sequence("later", [A], QUESTION, 2, arrival=t0 + 0.05)])
+    step = sched.schedule()
+    assert time.perf_counter() - t0 >= 0.05 and [s.id for s in step.batch] == ["later"]
+
+
+def test_the_chunks_of_the_next_requests_are_prefetched():
+    seqs = [sequence("1", [A, B], QUESTION, 2), sequence("2", [C], QUESTION, 2),
+            sequence("3", [chunk("d", 4)], QUESTION, 2)]
+    sched, _, loader = setup(32, seqs, batch_size=1, lookahead=2)
+    sched.schedule()  # looks at 1 and 2 (lookahead), admits 1
+    assert loader.prefetched == ["a", "b", "c"]
+
+
+def test_the_batch_size_must_be_positive():
+    cache, _ = make_cache(4)
+    with pytest.raises(ValueError, match="at least 1"):
+        Scheduler(Lazy(PREAMBLE, PAGE_SIZE, lambda copies: None), cache, 0, [])
