@@ -115,6 +115,16 @@ def answer(
     cuda_graphs: bool = typer.Option(AnswerConfig.cuda_graphs, "--cuda-graphs/--eager",
                                      help="On a GPU, replay decode steps from CUDA graphs captured at start "
                                           "(--eager launches every kernel from Python: slower, for debugging)."),
+    audit: int = typer.Option(AnswerConfig.audit, min=0, metavar="N",
+                              help="Answer a seeded sample of N queries also in full attention and record how far "
+                                   "this mode is from it: identical answers, token F1 to full, mean KL(full || mode) "
+                                   "and top-1 agreement along full's answer; costs a full-attention pass over those "
+                                   "N prompts."),
+    recompute: float = typer.Option(AnswerConfig.recompute, min=0.0, max=1.0, metavar="F",
+                                    help="lazy and block: recompute this share of each request's chunk pages after "
+                                         "its first chunk, in pages private to the request, attending to the chunks "
+                                         "before them (page 0 of each chunk first). 0 is off; 1 reproduces full. "
+                                         "Costs prefill time and F x those pages of --cache-gb per request."),
     as_json: bool = JsonOpt,
     quiet: bool = QuietOpt,
 ):
@@ -124,7 +134,8 @@ def answer(
     cfg = AnswerConfig(queries=queries, store=store, out=out_path, mode=mode, model=model, top_k=top_k,
                        max_new_tokens=max_new_tokens, cache_gb=cache_gb, host_cache_gb=host_cache_gb,
                        batch_size=batch_size, device=device, temperature=temperature, top_p=top_p,
-                       seed=seed, trust_remote_code=trust_remote_code, cuda_graphs=cuda_graphs)
+                       seed=seed, trust_remote_code=trust_remote_code, cuda_graphs=cuda_graphs, audit=audit,
+                       recompute=recompute)
     try:
         result = answer_file(cfg, report=lambda m: err.print(f"[yellow]bad input:[/] {m}", highlight=False),
                              progress=not (as_json or quiet))

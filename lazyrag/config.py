@@ -54,6 +54,8 @@ class AnswerConfig:
     prefetch: int = 64            # queries to look ahead when prefetching chunks
     cuda_graphs: bool = True      # replay decode steps from CUDA graphs (GPU only)
     trust_remote_code: bool = False
+    audit: int = 0                # queries of the run also answered in full, to measure the gap to it
+    recompute: float = 0.0        # share of chunk pages after the first recomputed per request (lazyrag/serve/recompute.py)
 
     def __post_init__(self):
         self.mode = Mode(self.mode)  # scripts may pass the plain name

@@ -35,8 +35,11 @@ one() {  # name checkout site run
   fi
 }
 
+deadline=$((SECONDS + ${DEADLINE:-100000}))  # start no run after this many seconds: the summary must still be written
 for i in $(seq "$runs"); do
+  [ $SECONDS -lt $deadline ] || break
   one before "$before" "${BEFORE_SITE:-$before}" "$i"
+  [ $SECONDS -lt $deadline ] || break
   one after "$after" "${AFTER_SITE:-$after}" "$i"
 done
 

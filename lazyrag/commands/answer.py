@@ -14,12 +14,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
 
+from lazyrag.commands.audit import answer_text, audit_run
 from lazyrag.commands.queries import read_queries, resolve_chunks
 from lazyrag.config import AnswerConfig
 from lazyrag.eval import scoring
 from lazyrag.models import LoadedModel, load_model
 from lazyrag.models.prompt import PromptFormat
-from lazyrag.serve import Engine, Request, Sampling, Sequence
+from lazyrag.serve import Engine, Recompute, Request, Sampling, Sequence
 from lazyrag.store import Store, StoreError, StoreMismatch
 
 
@@ -105,10 +106,11 @@ def answer_file(cfg: AnswerConfig, report: Callable[[str], None] = print, progre
                           arrival=time.perf_counter(), meta={"answers": q.answers})
 
     results: list[dict] = []
+    answered: dict[str, Request] = {}  # kept only for the audit, which re-submits some of them
 
     def finish(r: Sequence) -> None:
         row = {
-            "id": r.id, "answer": loaded.tokenizer.decode(r.generated, skip_special_tokens=True).strip(),
+            "id": r.id, "answer": answer_text(loaded, r.generated),
             "mode": cfg.mode.value, "chunks": [c.chunk_id for c in r.chunks],
             "ttft_ms": round(r.ttft_ms, 2), "latency_ms": round(r.latency_ms, 2), "new_tokens": len(r.generated),
             "cache": {"hits": r.hits, "misses": r.misses},
@@ -117,6 +119,8 @@ def answer_file(cfg: AnswerConfig, report: Callable[[str], None] = print, progre
             row["score"] = scoring.score(row["answer"], r.meta["answers"])
         answers.write(row)
         results.append(row)
+        if cfg.audit:
+            answered[r.id] = r.request
         bar.update(1)
 
     from tqdm import tqdm
@@ -124,17 +128,21 @@ def answer_file(cfg: AnswerConfig, report: Callable[[str], None] = print, progre
     bar = tqdm(desc=f"answer ({cfg.mode.value})", unit="q", disable=not progress, dynamic_ncols=True)
     engine = Engine(loaded, store, cfg.mode, cfg.cache_gb * 2**30, cfg.batch_size,
                     Sampling(cfg.temperature, cfg.top_p, cfg.seed), cfg.host_cache_gb * 2**30,
-                    cuda_graphs=cfg.cuda_graphs)
+                    cuda_graphs=cfg.cuda_graphs, recompute=Recompute(cfg.recompute))
     t0 = time.perf_counter()
+    completed = False
     try:
         engine.run(requests(), finish, lookahead=cfg.prefetch)
+        completed = True
     finally:
         seconds = time.perf_counter() - t0
         answers.close()
         bar.close()
-        engine.close()
+        engine.close()  # before the audit builds its engines: one pool at a time
         record = run_record(cfg, loaded.name, engine, results, seconds, len(bad))
         if results:
+            if completed and cfg.audit > 0:
+                record["audit"] = audit_run(cfg, loaded, store, results, answered)
             store.add_run(record)
     return RunSummary(record, skipped=len(answers.done), bad=bad)
 
@@ -148,7 +156,8 @@ def run_record(cfg: AnswerConfig, model: str, engine: Engine, rows: list[dict], 
         "device": str(engine.device), "queries": len(rows), "bad_lines": bad,
         "queries_file": str(cfg.queries), "out": str(cfg.out), "seconds": round(seconds, 3),
         "settings": {"batch_size": cfg.batch_size, "cache_gb": cfg.cache_gb, "host_cache_gb": cfg.host_cache_gb,
-                     "max_new_tokens": cfg.max_new_tokens, "top_k": cfg.top_k, "temperature": cfg.temperature},
+                     "max_new_tokens": cfg.max_new_tokens, "top_k": cfg.top_k, "temperature": cfg.temperature,
+                     "recompute": cfg.recompute},
         "cache": engine.cache.counters.to_json(),
         "ttft_ms": scoring.summarize([r["ttft_ms"] for r in rows]),
         "latency_ms": scoring.summarize([r["latency_ms"] for r in rows]),

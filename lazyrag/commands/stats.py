@@ -52,7 +52,8 @@ def render_stats(data: dict, console: Console) -> None:
 
 
 def runs_table(runs: list[dict], console: Console) -> None:
-    """Two narrow tables (they must fit an 80-column terminal): speed and quality, then the cache."""
+    """Narrow tables (they must fit an 80-column terminal): speed and quality, the cache, and the
+    distance to full attention of the runs that were audited."""
     t = Table(title="answer runs", title_justify="left")
     for col in ("#", "mode", "queries", "hit ratio", "TTFT p50/p95 ms", "latency p50 ms", "tok/s", "accuracy", "F1"):
         t.add_column(col, justify="right")
@@ -70,6 +71,20 @@ def runs_table(runs: list[dict], console: Console) -> None:
         t.add_row(str(i), str(c["lookups"]), str(c["hits"]), str(c["misses"]), f"{c['token_hit_ratio']:.1%}",
                   str(c["evictions"]), _gb(c["bytes_read"]), _gb(c["bytes_to_gpu"]),
                   f"{c['peak_pages']}/{c['pool_pages']}")
+    console.print(t)
+    if any("audit" in r for r in runs):
+        audit_table(runs, console)
+
+
+def audit_table(runs: list[dict], console: Console) -> None:
+    """The audited runs (`answer --audit N`, lazyrag/commands/audit.py): how far each mode is from full."""
+    t = Table(title="vs full attention (audit)", title_justify="left")
+    for col in ("#", "mode", "queries", "identical", "F1 to full", "KL nats/token", "top-1", "tokens"):
+        t.add_column(col, justify="right")
+    for i, r in enumerate(runs, 1):
+        if a := r.get("audit"):
+            t.add_row(str(i), r["mode"], str(a["queries"]), f"{a['identical']:.1%}", f"{a['f1_to_full']:.3f}",
+                      f"{a['kl_mean']:.3g}", f"{a['top1_agreement']:.1%}", str(a["tokens"]))
     console.print(t)
 
 

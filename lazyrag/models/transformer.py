@@ -153,8 +153,12 @@ class Transformer(nn.Module):
         self.rope_scale = rope_scale
 
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, attention: Attention) -> torch.Tensor:
-        """tokens, positions: [T]. Returns the final hidden states [T, hidden]."""
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, attention: Attention,
+                key_positions: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens, positions: [T]. Returns the final hidden states [T, hidden].
+        key_positions: where each token's key is rotated to, if not its position (a chunk page
+        recomputed for one request keeps the chunk-local positions of the shared page)."""
+        key_positions = positions if key_positions is None else key_positions
         cfg = self.cfg
         x = self.embed(tokens)
         for i, blk in enumerate(self.layers):
@@ -166,7 +170,7 @@ class Transformer(nn.Module):
                 q, k = blk.q_norm(q), blk.k_norm(k)
             if self.rope_scale != 1.0:
                 q, k = q * self.rope_scale, k * self.rope_scale
-            k = rotate(k, positions, self.inv_freq)
+            k = rotate(k, key_positions, self.inv_freq)
             o = attention(i, q, k, v)
             x = x + blk.o_proj(o.reshape(-1, cfg.num_heads * cfg.head_dim))
             h = blk.post_norm(x)

@@ -2,7 +2,8 @@
 runner and the sampler, composed by the engine."""
 
 from .engine import Engine
+from .recompute import Recompute
 from .request import Request, Sequence
 from .sampler import Sampling
 
-__all__ = ["Engine", "Request", "Sampling", "Sequence"]
+__all__ = ["Engine", "Recompute", "Request", "Sampling", "Sequence"]

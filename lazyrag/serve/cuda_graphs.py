@@ -40,7 +40,7 @@ class DecodeGraphs:
     def _capture(self, model, inv_freq, sm_scale, lazy, bs, mempool):
         layout = StepLayout(bs, self.max_pages, bs)
         buf = torch.zeros(layout.size, dtype=torch.int32, device=self.device)
-        _, _, _, cu, _, _, slots = layout.views(buf)
+        _, _, _, cu, _, _, _, slots = layout.views(buf)
         cu.copy_(torch.arange(bs + 1, dtype=torch.int32))
         slots.fill_(self.pad_slot)  # every count is 0: a padding step, safe to run
         step = StepInputs.on(buf, layout)

@@ -10,14 +10,18 @@ each finished request back to the caller.
 from __future__ import annotations
 
 import time
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator
+
+import torch
 
 from lazyrag.config import Mode
+from lazyrag.eval.fidelity import mean_logprob
 from lazyrag.models import LoadedModel
 from lazyrag.serve.cache import ChunkCache
 from lazyrag.serve.loader import ChunkLoader
 from lazyrag.serve.modes import select_mode
 from lazyrag.serve.paged import PagePool
+from lazyrag.serve.recompute import Recompute
 from lazyrag.serve.request import Request, Sequence
 from lazyrag.serve.runner import Runner
 from lazyrag.serve.sampler import Sampler, Sampling
@@ -28,7 +32,7 @@ from lazyrag.store import Store
 class Engine:
     def __init__(self, loaded: LoadedModel, store: Store, mode: Mode | str, cache_bytes: float, batch_size: int,
                  sampling: Sampling = Sampling(), host_cache_bytes: float = 0, stop_at_eos: bool = True,
-                 cuda_graphs: bool = True):
+                 cuda_graphs: bool = True, recompute: Recompute = Recompute()):
         mode_class = select_mode(mode)
         s = store.settings
         self.batch_size, self.device = batch_size, loaded.device
@@ -36,7 +40,7 @@ class Engine:
                                        loaded.dtype, loaded.device)
         self.cache = ChunkCache(self.pool, ChunkLoader(store, self.pool, host_cache_bytes))
         self.runner = Runner(loaded, self.pool, mode_class.rotate_queries)
-        self.mode = mode_class(s.preamble_ids, s.page_size, self.runner.rotate_copy)
+        self.mode = mode_class(s.preamble_ids, s.page_size, self.runner.rotate_copy, recompute)
         self.sampler = Sampler(sampling, self.device)
         self.stop_ids = loaded.eos_ids if stop_at_eos else set()  # benchmarks fix the answer length
         preamble = self.mode.place_preamble(self.cache)
@@ -59,16 +63,27 @@ class Engine:
             for seq in scheduler.retire():
                 on_finish(seq)
 
+    def teacher_forced_logits(self, requests: list[Request], continuations: list[list[int]]) -> list[torch.Tensor]:
+        """Per request, the float32 CPU logits [len(continuation), vocab] that predict each
+        continuation token after the request's prompt, by teacher forcing, in this engine's mode."""
+        return list(self._forced_logits(requests, continuations))
+
     def continuation_logprobs(self, requests: list[Request], continuations: list[list[int]]) -> list[float]:
         """Mean log-probability per token of each continuation after its request's prompt, by
-        teacher forcing, in this engine's mode."""
+        teacher forcing, in this engine's mode (more sensitive than accuracy for a small model)."""
+        return [mean_logprob(logits, c) for logits, c in zip(self._forced_logits(requests, continuations),
+                                                              continuations)]
+
+    def _forced_logits(self, requests: list[Request], continuations: list[list[int]]) -> Iterator[torch.Tensor]:
+        # one batch at a time, so a caller that reduces each tensor holds one batch's logits
         seqs = [Sequence(r, max_new_tokens=len(c)) for r, c in zip(requests, continuations)]
         scheduler = Scheduler(self.mode, self.cache, self.batch_size, seqs)
-        out: list[float] = []
+        done = 0
         while (step := scheduler.schedule()) is not None:  # each batch is finished once scored: all prefill
-            out += self.runner.continuation_logprobs(step.batch, continuations[len(out): len(out) + len(step.batch)])
+            n = len(step.batch)
+            yield from self.runner.teacher_forced_logits(step.batch, continuations[done: done + n])
+            done += n
             scheduler.finish(step.batch)
-        return out
 
     def close(self) -> None:
         self.cache.close()

@@ -23,7 +23,8 @@ import numpy as np
 
 from lazyrag.config import Mode
 from lazyrag.serve.cache import ChunkCache, Resident
-from lazyrag.serve.paged import Feed, page_rows, pages_for
+from lazyrag.serve.paged import LENGTH, PAGE, Feed, page_rows, pages_for
+from lazyrag.serve.recompute import Recompute, choose, pages_to_recompute
 from lazyrag.serve.request import Placement, Request, Sequence
 from lazyrag.store import ChunkInfo
 
@@ -48,7 +49,9 @@ class ServingMode:
 
     rotate_queries: ClassVar[bool] = False  # the kernels rotate each query per page by its delta
 
-    def __init__(self, preamble_ids: list[int], page_size: int, rotate_copy: RotateCopy):
+    def __init__(self, preamble_ids: list[int], page_size: int, rotate_copy: RotateCopy,
+                 recompute: Recompute = Recompute()):
+        self.recompute = recompute
         self.preamble_ids = list(preamble_ids)
         self.P = len(self.preamble_ids)
         self.page_size = page_size
@@ -72,9 +75,13 @@ class ServingMode:
         """Pages a chunk takes besides its shared copy."""
         return 0
 
+    def recomputed_pages(self, request: Request) -> int:
+        """Pages of the request's chunks it recomputes into pages of its own."""
+        return 0
+
     def pages_needed(self, seq: Sequence, cache: ChunkCache) -> int:
         """Pages placing the request would allocate now (chunks already resident cost none)."""
-        needed = pages_for(self.own_tokens(seq), self.page_size)
+        needed = pages_for(self.own_tokens(seq), self.page_size) + self.recomputed_pages(seq.request)
         for info in self.cached_chunks(seq.request):
             if not cache.is_resident(info.chunk_id):
                 needed += pages_for(info.padded_length, self.page_size)
@@ -94,12 +101,16 @@ class ServingMode:
         chunks = self.cached_chunks(seq.request)
         pins = self._pin(seq, chunks, cache)
         chunk_rows, copies = self._chunk_rows(chunks, pins, cache)
+        recompute = self._recompute(chunks, chunk_rows, cache)
         own_start = self.own_start(seq.request)
         own_pages = cache.alloc(pages_for(self.own_tokens(seq), ps))
         own = page_rows(own_pages, own_start, len(own_pages) * ps, 0, ps)  # whole pages: see paged.Feed
         context = [self.preamble, *chunk_rows]
+        first_row = np.cumsum([len(r) for r in context]) - [len(r) for r in context]
+        jobs = [(int(first_row[1 + c] + p), tokens) for (c, p), tokens in recompute]
+        private = [p for c in copies for p in c.dst] + self._recompute_pages(chunk_rows, recompute)
         placement = Placement(np.concatenate(context + [own]), sum(map(len, context)), own_start,
-                              self.prompt_ids(seq.request), pins, own_pages, [p for c in copies for p in c.dst])
+                              self.prompt_ids(seq.request), pins, own_pages, private, jobs, len(self.preamble))
         if copies:
             self.rotate_copy(copies)
             for entry in pins:  # the copy is all the request needs now
@@ -126,11 +137,31 @@ class ServingMode:
         """Page rows of each chunk in prompt order, and the copies they need made."""
         raise NotImplementedError
 
+    def _recompute(self, chunks: list[ChunkInfo], chunk_rows: list[np.ndarray],
+                   cache: ChunkCache) -> list[tuple[tuple[int, int], list[int]]]:
+        """The (chunk, page) pairs to recompute, in prompt order, with each page's tokens; the
+        rows of a page that needs a page of its own are pointed at a fresh one."""
+        if not self.recompute.fraction or not chunks:
+            return []
+        chosen = choose(self.recompute.fraction, [len(r) for r in chunk_rows])
+        ps = self.page_size
+        return [((c, p), list(chunks[c].token_ids[p * ps: p * ps + int(chunk_rows[c][p, LENGTH])]))
+                for c, p in chosen]
+
+    def _recompute_pages(self, chunk_rows: list[np.ndarray], recompute) -> list[int]:
+        """Private pages that recomputed chunk pages were given (none where they are private already)."""
+        return []
+
 
 class Lazy(ServingMode):
     """Chunks read in place from their shared pages, shifted by the kernels."""
 
     rotate_queries = True
+
+    def recomputed_pages(self, request: Request) -> int:
+        if not self.recompute.fraction:
+            return 0
+        return pages_to_recompute(self.recompute.fraction, [pages_for(c.length, self.page_size) for c in request.chunks])
 
     def _chunk_rows(self, chunks, pins, cache):
         rows, pos = [], self.P
@@ -138,6 +169,19 @@ class Lazy(ServingMode):
             rows.append(page_rows(entry.pages, self.P, info.length, pos - self.P, self.page_size))
             pos += info.length
         return rows, []
+
+    def _recompute(self, chunks, chunk_rows, cache):
+        # the shared page stays as it is for every other request: this one reads a private
+        # page in its place, with the same start and delta (keys at the same stored positions)
+        chosen = super()._recompute(chunks, chunk_rows, cache)
+        if chosen:
+            fresh = cache.alloc(len(chosen))
+            for ((c, p), _), page in zip(chosen, fresh):
+                chunk_rows[c][p, PAGE] = page
+        return chosen
+
+    def _recompute_pages(self, chunk_rows, recompute):
+        return [int(chunk_rows[c][p, PAGE]) for (c, p), _ in recompute]
 
 
 class Block(ServingMode):

@@ -145,7 +145,7 @@ class StepLayout:
     """Where each input of a step sits in one flat int32 buffer, so the host packs them all
     and they reach the GPU in one copy: the page table [4, batch, width] (PAGE, DELTA,
     START, LENGTH planes; rows `row` apart), then count [batch], cu_seqlens [batch + 1],
-    tokens, positions and slots [tokens].
+    tokens, positions, key positions and slots [tokens].
 
     Every field and table row starts 16-byte aligned: Triton compiles a kernel variant per
     pointer alignment, and fields whose alignment followed the batch size and width compiled
@@ -165,15 +165,16 @@ class StepLayout:
     @property
     def size(self) -> int:
         B, T = self.batch, self.tokens
-        return self.table_size + sum(_aligned(n) for n in (B, B + 1, T, T, T))
+        return self.table_size + sum(_aligned(n) for n in (B, B + 1, T, T, T, T))
 
     def views(self, buf):
-        """(table [4, batch, width], tail, count, cu, tokens, positions, slots) views of buf."""
+        """(table [4, batch, width], tail, count, cu, tokens, positions, key_positions, slots)
+        views of buf."""
         B, T = self.batch, self.tokens
         table = buf[: self.table_size].reshape(4, B, self.row)[:, :, : self.width]
         tail = buf[self.table_size: self.size]
-        count, cu, tokens, positions, slots = (tail[a:b] for a, b in _spans((B, B + 1, T, T, T)))
-        return table, tail, count, cu, tokens, positions, slots
+        count, cu, tokens, positions, key_positions, slots = (tail[a:b] for a, b in _spans((B, B + 1, T, T, T, T)))
+        return table, tail, count, cu, tokens, positions, key_positions, slots
 
 
 def _spans(sizes):
@@ -193,21 +194,23 @@ def pack_step(feeds: list[Feed], page_size: int, batch: int | None = None, pad_s
     T = sum(len(f.tokens) for f in feeds) + (B - len(feeds))
     layout = StepLayout(B, max(counts, default=0), T)
     host = torch.empty(layout.size, dtype=torch.int32, pin_memory=pin)
-    table, _, count, cu, tokens, positions, slots = layout.views(host.numpy())
+    table, _, count, cu, tokens, positions, key_positions, slots = layout.views(host.numpy())
     table[:] = 0
     count[:] = 0
     count[: len(feeds)] = counts
     cu[0] = 0
     cu[1:] = np.arange(1, B + 1) + (T - B)
-    tokens[:], positions[:], slots[:] = 0, 0, pad_slot
+    tokens[:], positions[:], key_positions[:], slots[:] = 0, 0, 0, pad_slot
     t = 0
     for b, (f, n) in enumerate(zip(feeds, counts)):
         table[:, b, :n] = f.rows[:n].T
         k = len(f.tokens)
         own = f.first + np.arange(k)
         tokens[t: t + k] = f.tokens
+        own_rows = f.rows[f.n_context + own // page_size]
         positions[t: t + k] = f.own_start + own
-        slots[t: t + k] = f.rows[f.n_context + own // page_size, PAGE] * page_size + own % page_size
+        key_positions[t: t + k] = f.own_start + own - own_rows[:, DELTA]  # a recomputed chunk page keeps its delta
+        slots[t: t + k] = own_rows[:, PAGE] * page_size + own % page_size
         t += k
         cu[b + 1] = t
     return host, layout
@@ -224,9 +227,11 @@ def copy_step(src: torch.Tensor, src_layout: StepLayout, dst: torch.Tensor, dst_
 
 @dataclass
 class StepInputs:
-    """A packed step on the device: the model's tokens and positions, and what attention reads."""
+    """A packed step on the device: the model's tokens and positions, and what attention reads.
+    key_positions: where each token's key is rotated to (its position, less its page's delta)."""
     tokens: torch.Tensor
     positions: torch.Tensor
+    key_positions: torch.Tensor
     slots: torch.Tensor
     cu_seqlens: torch.Tensor
     pages: kernels.PageTable
@@ -234,9 +239,9 @@ class StepInputs:
 
     @classmethod
     def on(cls, buf: torch.Tensor, layout: StepLayout) -> "StepInputs":
-        table, _, count, cu, tokens, positions, slots = layout.views(buf)
+        table, _, count, cu, tokens, positions, key_positions, slots = layout.views(buf)
         ids, delta, start, length = table.unbind(0)
-        return cls(tokens, positions, slots, cu, kernels.PageTable(ids, delta, start, length, count),
+        return cls(tokens, positions, key_positions, slots, cu, kernels.PageTable(ids, delta, start, length, count),
                    decode=layout.tokens == layout.batch)
 
     @classmethod

@@ -36,13 +36,15 @@ class Placement:
     prompt_ids: list[int]                             # its own prompt tokens, fed at prefill
     pins: list[Resident] = field(default_factory=list)      # shared chunks it reads in place
     own_pages: list[int] = field(default_factory=list)      # its prompt and answer tokens
-    copy_pages: list[int] = field(default_factory=list)     # private chunk copies (block mode)
+    private_pages: list[int] = field(default_factory=list)  # only it reads them: block's copies, recomputed pages
+    recompute: list[tuple[int, list[int]]] = field(default_factory=list)  # (row, chunk tokens) to recompute
+    n_preamble: int = 0                               # rows of the shared preamble (context rows before the chunks)
 
     def release(self, cache: ChunkCache) -> None:
         for entry in self.pins:
             cache.release(entry)
-        cache.free(self.own_pages + self.copy_pages)
-        self.pins, self.own_pages, self.copy_pages = [], [], []
+        cache.free(self.own_pages + self.private_pages)
+        self.pins, self.own_pages, self.private_pages = [], [], []
 
 
 @dataclass

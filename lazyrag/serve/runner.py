@@ -6,14 +6,29 @@ prefill runs eagerly, its lengths vary too much to capture.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from lazyrag import kernels
 from lazyrag.models import LoadedModel
 from lazyrag.serve.cuda_graphs import DecodeGraphs
 from lazyrag.serve.modes import ChunkCopy
-from lazyrag.serve.paged import Feed, PagedAttention, PagePool, StepInputs
+from lazyrag.serve.paged import DELTA, START, Feed, PagedAttention, PagePool, StepInputs
 from lazyrag.serve.request import Sequence
+
+
+def recompute_feed(rows: np.ndarray, row: int, tokens: list[int]) -> Feed:
+    """Compute a chunk page's tokens into the page `rows[row]` names, attending to the rows
+    before it: at their logical positions (start + delta), keys rotated at the stored ones."""
+    return Feed(rows[: row + 1], row, int(rows[row, START] + rows[row, DELTA]), 0, tokens)
+
+
+def prompt_feeds(seq: Sequence, tokens: list[int]) -> list[Feed]:
+    """A placed sequence's prefill: its recomputed chunk pages, then `tokens`. They go in one
+    step: every layer writes the step's K/V before it attends, so a recomputed page sees the
+    pages recomputed before it, and the prompt sees them all."""
+    p = seq.placement
+    return [recompute_feed(p.rows, row, chunk) for row, chunk in p.recompute] + [seq.feed(tokens)]
 
 
 class Runner:
@@ -38,15 +53,20 @@ class Runner:
         rotate = self.rotate_queries if rotate_queries is None else rotate_queries
         step = StepInputs.upload(feeds, self.pool.page_size, self.device)
         attention = PagedAttention(self.pool, step, self.model.inv_freq, self.sm_scale, rotate)
-        hidden = self.model(step.tokens, step.positions, attention)
+        hidden = self.model(step.tokens, step.positions, attention, key_positions=step.key_positions)
         rows = step.cu_seqlens[1:] - 1 if select is None else select.to(self.device)
         return self.model.logits(hidden[rows])[:, : self.vocab]
 
     def prefill(self, seqs: list[Sequence]) -> torch.Tensor:
-        """Feed the placed sequences' prompts; the logits of each one's last token."""
-        feeds = [s.feed(s.placement.prompt_ids) for s in seqs]
-        logits = self.forward(feeds)
-        self._advance(seqs, feeds)
+        """Feed the placed sequences' prompts (recomputed pages first); the logits of each one's
+        last token."""
+        feeds, last = [], []
+        for s in seqs:
+            feeds += prompt_feeds(s, s.placement.prompt_ids)
+            last.append(sum(len(f.tokens) for f in feeds) - 1)
+        logits = self.forward(feeds, select=torch.tensor(last))
+        for s in seqs:
+            s.fed += len(s.placement.prompt_ids)
         return logits
 
     def decode(self, seqs: list[Sequence]) -> torch.Tensor:
@@ -65,18 +85,17 @@ class Runner:
         for s, f in zip(seqs, feeds):
             s.fed += len(f.tokens)
 
-    def continuation_logprobs(self, seqs: list[Sequence], continuations: list[list[int]]) -> list[float]:
-        """Mean log-probability per token of each continuation after its placed sequence's
-        prompt, by teacher forcing (more sensitive than accuracy for a small model)."""
-        ids = [s.placement.prompt_ids + cont for s, cont in zip(seqs, continuations)]
-        starts = torch.tensor([0] + [len(t) for t in ids]).cumsum(0)
-        # the logits at position j predict token j + 1: those before each continuation token
-        select = torch.cat([torch.arange(s + len(t) - len(c) - 1, s + len(t) - 1)
-                            for s, t, c in zip(starts.tolist(), ids, continuations)])
-        logits = self.forward([s.feed(t) for s, t in zip(seqs, ids)], select=select)
-        target = torch.tensor([t for c in continuations for t in c], device=logits.device)
-        lp = torch.log_softmax(logits.float(), -1).gather(1, target[:, None])[:, 0].cpu()
-        return [part.mean().item() for part in lp.split([len(c) for c in continuations])]
+    def teacher_forced_logits(self, seqs: list[Sequence], continuations: list[list[int]]) -> list[torch.Tensor]:
+        """Per placed sequence, the float32 CPU logits [len(continuation), vocab] that predict
+        each continuation token after its prompt and the continuation tokens before it."""
+        feeds, select = [], []
+        for s, cont in zip(seqs, continuations):
+            feeds += prompt_feeds(s, s.placement.prompt_ids + cont)
+            end = sum(len(f.tokens) for f in feeds)
+            # the logits at position j predict token j + 1: those before each continuation token
+            select.append(torch.arange(end - len(cont) - 1, end - 1))
+        logits = self.forward(feeds, select=torch.cat(select))
+        return list(logits.float().cpu().split([len(c) for c in continuations]))
 
     def rotate_copy(self, copies: list[ChunkCopy]) -> None:
         """Every layer's pages of every chunk in one fused launch."""

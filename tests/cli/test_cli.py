@@ -152,3 +152,55 @@ def test_option_defaults_are_the_config_defaults():
 def test_unknown_mode_is_a_usage_error():
     res = cli("answer", "q.jsonl", "--mode", "fast")
     assert res.exit_code == 2 and "lazy" in res.output and "block" in res.output
+
+
+
+AUDIT_KEYS = {"queries", "identical", "f1_to_full", "kl_mean", "top1_agreement", "tokens"}
+
+
+def demo_queries(tmp_path, n, single_chunk_of=None):
+    """The first n demo queries; with a store, each reads only the first chunk of its first doc."""
+    rows = [json.loads(line) for line in (DEMO / "queries.jsonl").read_text().splitlines()][:n]
+    if single_chunk_of is not None:
+        rows = [{"id": q["id"], "question": q["question"],
+                 "chunks": [single_chunk_of.doc_chunks(q["docs"][0])[0].chunk_id]} for q in rows]
+    path = tmp_path / "q.jsonl"
+    path.write_text("".join(json.dumps(q) + "\n" for q in rows))
+    return path
+
+
+def answer_with_audit(store, queries, out, *args):
+    """The audit of an `answer` run, as the run log holds it; and what `answer` printed."""
+    res = cli("answer", queries, "--store", store, "--out", out, "--device", "cpu", "--max-new-tokens", "6", *args)
+    assert res.exit_code == 0, res.output
+    audit = json.loads(cli("stats", "--store", store, "--json").stdout)["runs"][-1]["audit"]
+    assert set(audit) == AUDIT_KEYS
+    return audit, res.stdout
+
+
+def test_audit_records_the_distance_to_full_and_the_tables_show_it(demo_store, tmp_path):
+    audit, printed = answer_with_audit(demo_store, demo_queries(tmp_path, 4), tmp_path / "a.jsonl", "--audit", 3)
+    assert audit["queries"] == 3 and 0 < audit["tokens"] <= 3 * 6
+    assert audit["kl_mean"] > 1e-6  # several chunks a query: lazy is not full
+    assert 0 <= audit["identical"] <= 1 and 0 <= audit["top1_agreement"] <= 1
+    for shown in (printed, cli("stats", "--store", demo_store).stdout):
+        assert "vs full attention (audit)" in shown and "identical" in shown
+
+
+def test_audit_of_full_is_identical(demo_store, tmp_path):
+    audit, _ = answer_with_audit(demo_store, demo_queries(tmp_path, 2), tmp_path / "a.jsonl", "--mode", "full",
+                                 "--audit", 2)
+    assert audit["queries"] == 2 and audit["identical"] == 1.0 and audit["top1_agreement"] == 1.0
+    assert audit["kl_mean"] < 1e-9
+
+
+def test_audit_of_lazy_on_single_chunk_prompts_matches_full(demo_store, tmp_path):
+    """One chunk after the preamble is encoded exactly as full encodes it: any gap here is a bug,
+    not the modelling gap between chunks."""
+    from lazyrag.store import Store
+
+    with Store.open(demo_store) as store:
+        queries = demo_queries(tmp_path, 4, single_chunk_of=store)
+    audit, _ = answer_with_audit(demo_store, queries, tmp_path / "a.jsonl", "--audit", 10, "--json")
+    assert audit["queries"] == 4  # every answered query, when fewer than asked
+    assert audit["kl_mean"] < 1e-6 and audit["identical"] == 1.0 and audit["top1_agreement"] == 1.0

@@ -204,3 +204,36 @@ def test_continuation_logprobs_equal_transformers(tmp_path, smollm):
     ref = torch.log_softmax(logits, -1).gather(1, torch.tensor(cont)[:, None]).mean().item()
     assert abs(scores["full"] - ref) < 1e-4
     assert abs(scores["lazy"] - ref) > 1e-4
+
+
+def test_teacher_forced_logits_follow_greedy_answers_and_match_full_on_one_chunk(tmp_path, tiny):
+    store = make_store(tmp_path, "random:tiny", chunk_tokens=256)  # one chunk a document
+    fmt = PromptFormat(tiny.tokenizer)
+
+    def reqs(name, docs_each):
+        return [request(store, fmt, f"{name}{i}", docs, f"Question {i}?", 5) for i, docs in enumerate(docs_each)]
+
+    single = reqs("s", [["nile"], ["iron"], ["tokyo"]])
+    several = reqs("m", [["nile", "iron"], ["bach", "tokyo", "iron"]])
+    assert all(len(r.chunks) == 1 for r in single) and all(len(r.chunks) > 1 for r in several)
+    logits = {}
+    for mode in ("full", "lazy"):
+        engine = Engine(tiny, store, mode, cache_bytes=8 << 20, batch_size=2, stop_at_eos=False)
+        answers = {}
+        engine.run(single + several, lambda s: answers.__setitem__(s.id, s.generated))
+        conts = [answers[r.id] for r in single + several]
+        logits[mode] = engine.teacher_forced_logits(single + several, conts)
+        engine.close()
+        for lg, cont in zip(logits[mode], conts):
+            assert lg.dtype == torch.float32 and lg.device.type == "cpu" and lg.shape == (5, len(tiny.tokenizer))
+            assert lg.argmax(-1).tolist() == cont  # the greedy answer, predicted step by step
+        if mode == "full":
+            full_conts = conts
+        else:
+            assert conts[: len(single)] == full_conts[: len(single)]
+    for i, (f, m) in enumerate(zip(logits["full"], logits["lazy"])):
+        gap = (f - m).abs().max().item()
+        if i < len(single):
+            assert gap < 1e-4, i  # one chunk after the preamble is encoded as full encodes it
+        else:
+            assert gap > 1e-4, i  # several: lazy does not attend between chunks

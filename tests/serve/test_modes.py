@@ -32,7 +32,7 @@ def test_lazy_reads_shared_pages_shifted_to_their_positions():
                                [1, 0, 3, 4], [2, 0, 7, 2],
                                [3, 6, 3, 3],
                                [4, 0, 12, 4], [5, 0, 16, 4]]
-    assert (p.n_context, p.own_start, p.own_pages, p.copy_pages) == (4, 12, [4, 5], [])
+    assert (p.n_context, p.own_start, p.own_pages, p.private_pages) == (4, 12, [4, 5], [])
     assert [e.info.chunk_id for e in p.pins] == ["a", "b"] and all(e.pins == 1 for e in p.pins)
     assert (first.hits, first.misses) == (0, 2)
 
@@ -71,7 +71,7 @@ def test_block_copies_each_chunk_to_private_pages_at_its_logical_positions():
                                [4, 0, 3, 4], [5, 0, 7, 2],
                                [6, 0, 9, 3],
                                [7, 0, 12, 4], [8, 0, 16, 4]]
-    assert (p.n_context, p.own_start, p.own_pages, p.copy_pages) == (4, 12, [7, 8], [4, 5, 6])
+    assert (p.n_context, p.own_start, p.own_pages, p.private_pages) == (4, 12, [7, 8], [4, 5, 6])
     assert p.pins == [] and cache.available_pages() == 32 - 1 - 5  # the shared copies are evictable now
     assert mode.pages_needed(sequence("2", [A, B], QUESTION, 3), cache) == 2 + 2 + 1
     assert mode.prompt_ids(seq.request) == QUESTION and not mode.rotate_queries
@@ -101,7 +101,7 @@ def test_release_gives_every_page_back(mode_class):
     assert cache.available_pages() < free
     p.release(cache)
     assert cache.available_pages() == free  # chunks stay resident, but unpinned
-    assert (p.pins, p.own_pages, p.copy_pages) == ([], [], [])
+    assert (p.pins, p.own_pages, p.private_pages) == ([], [], [])
 
 
 def test_select_mode_takes_the_enum_or_its_value():

@@ -1,0 +1,54 @@
+"""`lazyrag answer --audit N`: how far the run's mode is from full attention on its own queries.
+
+A seeded sample of the run's answered queries is answered again in `full`, greedily and
+as long as the run's answers may be; then `full` and the run's mode are both teacher-forced
+along the first FORCED_TOKENS of full's answer, so the measures of lazyrag/eval/fidelity.py
+compare the two modes on the same prefix. The mode's answer is the one the run wrote.
+A `full` run is audited the same way: it checks the measurement itself (identical, KL 0).
+"""
+
+from __future__ import annotations
+
+import random
+
+from lazyrag.config import AnswerConfig, Mode
+from lazyrag.eval.fidelity import FORCED_TOKENS, fidelity
+from lazyrag.models import LoadedModel
+from lazyrag.serve import Engine, Recompute, Request
+from lazyrag.store import Store
+
+
+def audit_run(cfg: AnswerConfig, loaded: LoadedModel, store: Store, rows: list[dict],
+              requests: dict[str, Request]) -> dict:
+    """The run's `audit` record (lazyrag.eval.fidelity.Fidelity) over min(cfg.audit, len(rows))
+    of its answered rows, sampled with cfg.seed; `requests` holds each row's request by id."""
+    answered = sorted(rows, key=lambda r: r["id"])
+    sample = random.Random(cfg.seed).sample(answered, min(cfg.audit, len(answered)))
+    reqs = [requests[r["id"]] for r in sample]
+
+    def engine(mode: Mode, cuda_graphs: bool) -> Engine:
+        return Engine(loaded, store, mode, cfg.cache_gb * 2**30, cfg.batch_size,
+                      host_cache_bytes=cfg.host_cache_gb * 2**30, cuda_graphs=cuda_graphs,
+                      recompute=Recompute(cfg.recompute))
+
+    full = engine(Mode.FULL, cfg.cuda_graphs)
+    try:
+        generated: dict[str, list[int]] = {}
+        full.run(reqs, lambda seq: generated.__setitem__(seq.id, seq.generated))
+        forced = [generated[r.id][:FORCED_TOKENS] for r in reqs]
+        full_logits = full.teacher_forced_logits(reqs, forced)
+    finally:
+        full.close()
+    mode = engine(cfg.mode, cuda_graphs=False)  # teacher forcing is all prefill: no decode graphs
+    try:
+        logits = mode.teacher_forced_logits(reqs, forced)
+    finally:
+        mode.close()
+    full_answers = [answer_text(loaded, generated[r.id]) for r in reqs]
+    return fidelity(full_answers, [r["answer"] for r in sample], full_logits, logits).to_json()
+
+
+def answer_text(loaded: LoadedModel, generated: list[int]) -> str:
+    """An answer's text as the answers file holds it."""
+    return loaded.tokenizer.decode(generated, skip_special_tokens=True).strip()
+

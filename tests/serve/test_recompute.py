@@ -1,0 +1,110 @@
+"""Selective recompute: which pages are chosen (no model), and what recomputing them does to a
+request's page table, the shared pages and the logits (random:tiny on the CPU, fp32)."""
+
+import json
+
+import pytest
+import torch
+from serve_stores import DOCS, place, request
+
+from lazyrag.commands.index import build_index
+from lazyrag.config import IndexConfig
+from lazyrag.models.prompt import PromptFormat
+from lazyrag.serve import Engine, Request
+from lazyrag.serve.paged import PAGE
+from lazyrag.serve.recompute import Recompute, choose, head_order, pages_to_recompute
+from lazyrag.store import Store
+
+
+def test_page_count_is_a_fraction_of_the_pages_after_the_first_chunk():
+    assert pages_to_recompute(0.0, [3, 2, 2]) == 0
+    assert pages_to_recompute(0.1, [3, 2, 2]) == 1   # ceil(0.4)
+    assert pages_to_recompute(0.5, [3, 2, 2]) == 2
+    assert pages_to_recompute(1.0, [3, 2, 2]) == 4
+    assert pages_to_recompute(1.0, [5]) == 0         # one chunk: nothing to recompute
+    with pytest.raises(ValueError):
+        pages_to_recompute(1.5, [1, 1])
+
+
+def test_head_policy_takes_page_zero_of_every_later_chunk_first():
+    assert head_order([2, 3, 1, 2]) == [(1, 0), (2, 0), (3, 0), (1, 1), (3, 1), (1, 2)]
+    assert choose(0.5, [2, 3, 1, 2]) == [(1, 0), (2, 0), (3, 0)]
+    assert choose(1.0, [2, 3, 1, 2]) == [(1, 0), (1, 1), (1, 2), (2, 0), (3, 0), (3, 1)]
+
+
+@pytest.fixture(scope="module")
+def paged_store(tmp_path_factory, tiny):
+    """Chunks of three 16-token pages, so a prompt has several pages per chunk."""
+    tmp = tmp_path_factory.mktemp("recompute")
+    corpus = tmp / "c.jsonl"
+    corpus.write_text("".join(json.dumps({"id": k, "text": v}) + "\n" for k, v in DOCS.items()))
+    build_index(IndexConfig(corpus=corpus, store=tmp / "s.zarr", model="random:tiny", device="cpu", dtype="fp32",
+                            chunk_tokens=40, page_size=16), progress=False, loaded=tiny)
+    return Store.open(tmp / "s.zarr")
+
+
+def requests(store, tiny):
+    fmt = PromptFormat(tiny.tokenizer)
+    return [request(store, fmt, "a", ["nile", "iron"], "How long is the Nile?"),
+            request(store, fmt, "b", ["tokyo", "nile", "bach"], "Who moved to Tokyo?")]
+
+
+def prefill_logits(tiny, store, mode, reqs, recompute=Recompute()):
+    engine = Engine(tiny, store, mode, cache_bytes=8 << 20, batch_size=4, recompute=recompute)
+    seqs = place(engine, reqs)
+    return engine, seqs, engine.runner.prefill(seqs)
+
+
+@pytest.mark.parametrize("mode", ["lazy", "block"])
+def test_recomputing_every_page_reproduces_full(paged_store, tiny, mode):
+    reqs = requests(paged_store, tiny)
+    assert all(len(c.token_ids) > 16 for c in reqs[0].chunks[:2]), "chunks should span several pages"
+    _, _, full = prefill_logits(tiny, paged_store, "full", reqs)
+    _, _, plain = prefill_logits(tiny, paged_store, mode, reqs)
+    _, _, every = prefill_logits(tiny, paged_store, mode, reqs, Recompute(1.0))
+    assert (plain - full).abs().max() > 1e-3, "the test needs a gap between plain lazy and full"
+    torch.testing.assert_close(every, full, atol=2e-5, rtol=1e-5)
+
+
+def test_private_pages_replace_exactly_the_chosen_shared_pages(paged_store, tiny):
+    reqs = requests(paged_store, tiny)
+    plain_engine = Engine(tiny, paged_store, "lazy", cache_bytes=8 << 20, batch_size=4)
+    plain = place(plain_engine, reqs)
+    engine = Engine(tiny, paged_store, "lazy", cache_bytes=8 << 20, batch_size=4, recompute=Recompute(0.5))
+    seqs = place(engine, reqs)
+    for s, p in zip(seqs, plain):
+        rows, n = s.placement.rows, s.placement.n_context
+        shared = [page for entry in s.placement.pins for page in entry.pages[: -(-entry.info.length // 16)]]
+        first = n - len(shared)  # the preamble's rows come first
+        chosen = [row for row, _ in s.placement.recompute]
+        assert chosen == [first + i for i, (c, q) in enumerate(
+            (c, q) for c, e in enumerate(s.placement.pins) for q in range(-(-e.info.length // 16)))
+            if (c, q) in choose(0.5, [-(-e.info.length // 16) for e in s.placement.pins])]
+        for i, page in enumerate(shared):
+            if first + i in chosen:
+                assert rows[first + i, PAGE] != page and rows[first + i, PAGE] in s.placement.private_pages
+            else:
+                assert rows[first + i, PAGE] == page
+        assert sorted(rows[chosen, PAGE].tolist()) == sorted(s.placement.private_pages)
+        # start, delta and length of every context row are those of the plain placement
+        assert (rows[:n, 1:] == p.placement.rows[: p.placement.n_context, 1:]).all()
+    shared = sorted({page for s in seqs for e in s.placement.pins for page in e.pages})
+    before = engine.pool.kv[:, :, shared].clone()
+    engine.runner.prefill(seqs)
+    assert torch.equal(engine.pool.kv[:, :, shared], before), "recompute wrote into shared pages"
+    # a one-chunk request (nothing to recompute) reads the same shared pages bit-exactly
+    fmt = PromptFormat(tiny.tokenizer)
+    one = [Request("c", paged_store.doc_chunks("nile")[:1], fmt.question_ids("How long is the Nile?"), 4)]
+    got = engine.runner.prefill(place(engine, one))
+    want = plain_engine.runner.prefill(place(plain_engine, one))
+    assert torch.equal(got, want)
+
+
+def test_private_pages_are_freed_with_the_request(paged_store, tiny):
+    engine = Engine(tiny, paged_store, "lazy", cache_bytes=8 << 20, batch_size=4, recompute=Recompute(0.3))
+    free = engine.pool.num_free
+    done = []
+    engine.run(requests(paged_store, tiny), done.append)
+    assert len(done) == 2
+    resident = sum(-(-c.padded_length // 16) for c in {c.chunk_id: c for r in done for c in r.chunks}.values())
+    assert engine.pool.num_free == free - resident  # only the cached chunks stay
