@@ -2,7 +2,8 @@
 
 ``lazy_prefill`` and ``lazy_decode`` read each request's pages through a :class:`PageTable` and
 rotate the query by each page's delta inside the kernel, so one stored copy of a chunk serves
-every request at every offset; ``rotate_copy`` re-rotates pages for the block baseline. CUDA
+every request at every offset (optionally with APE's temperature and scale on a range of each
+request's entries); ``rotate_copy`` re-rotates pages for the block baseline. CUDA
 tensors run the Triton kernels, CPU tensors the PyTorch ``reference`` (or, inside
 ``cpu_backend("triton")``, the Triton interpreter). docs/kernels.md is the contract: positions,
 page pool and table, the causal rule, every keyword, the tuning tables and the dispatch.
@@ -13,36 +14,39 @@ import torch
 from torch import Tensor
 
 from . import reference
-from .checks import check_attention, check_rotate_copy
+from .checks import check_ape, check_attention, check_rotate_copy
 from .dispatch import backend, cpu_backend, implementation
-from .pages import PageTable
+from .pages import PageTable, ape_enabled
 from .rope import rope
 
 __all__ = ["PageTable", "lazy_prefill", "lazy_decode", "rotate_copy", "reference", "rope", "backend",
-           "cpu_backend"]
+           "cpu_backend", "ape_enabled", "check_ape"]
 
 
 def lazy_prefill(q: Tensor, k_pages: Tensor, v_pages: Tensor, pages: PageTable, cu_seqlens_q: Tensor,
-                 q_pos: Tensor, inv_freq: Tensor, sm_scale: float, rotate: bool = True, **tuning) -> Tensor:
+                 q_pos: Tensor, inv_freq: Tensor, sm_scale: float, rotate: bool = True,
+                 ape_temperature: float = 1.0, ape_scale: float = 1.0, **tuning) -> Tensor:
     """Varlen prefill over paged KV with deferred RoPE (docs/kernels.md)."""
-    check_attention(q, k_pages, v_pages, pages, inv_freq)
+    check_attention(q, k_pages, v_pages, pages, inv_freq, ape_temperature, ape_scale)
     if cu_seqlens_q.dtype != torch.int32 or cu_seqlens_q.shape != (pages.batch + 1,):
         raise ValueError(f"cu_seqlens_q must be int32 [B+1] = [{pages.batch + 1}]")
     if q_pos.dtype != torch.int32 or q_pos.shape != (q.shape[0],):
         raise ValueError(f"q_pos must be int32 [total_q] = [{q.shape[0]}]")
     return implementation(q).lazy_prefill(q, k_pages, v_pages, pages, cu_seqlens_q, q_pos, inv_freq, sm_scale,
-                                          rotate, **tuning)
+                                          rotate, ape_temperature, ape_scale, **tuning)
 
 
 def lazy_decode(q: Tensor, k_pages: Tensor, v_pages: Tensor, pages: PageTable, q_pos: Tensor,
-                inv_freq: Tensor, sm_scale: float, rotate: bool = True, **tuning) -> Tensor:
+                inv_freq: Tensor, sm_scale: float, rotate: bool = True, ape_temperature: float = 1.0,
+                ape_scale: float = 1.0, **tuning) -> Tensor:
     """One query token per request over paged KV, flash-decoding (docs/kernels.md)."""
-    check_attention(q, k_pages, v_pages, pages, inv_freq)
+    check_attention(q, k_pages, v_pages, pages, inv_freq, ape_temperature, ape_scale)
     if q.shape[0] != pages.batch:
         raise ValueError(f"q has {q.shape[0]} requests, the page table {pages.batch}")
     if q_pos.dtype != torch.int32 or q_pos.shape != (q.shape[0],):
         raise ValueError(f"q_pos must be int32 [B] = [{q.shape[0]}]")
-    return implementation(q).lazy_decode(q, k_pages, v_pages, pages, q_pos, inv_freq, sm_scale, rotate, **tuning)
+    return implementation(q).lazy_decode(q, k_pages, v_pages, pages, q_pos, inv_freq, sm_scale, rotate,
+                                         ape_temperature, ape_scale, **tuning)
 
 
 def rotate_copy(k_pages: Tensor, v_pages: Tensor, src: Tensor, dst: Tensor, delta: Tensor, inv_freq: Tensor,

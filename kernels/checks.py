@@ -2,10 +2,12 @@
 with the offending shape, dtype or stride in the message."""
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
-from .pages import PageTable
+from .pages import PageTable, ape_enabled
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -27,7 +29,8 @@ def check_pool(k_pages: Tensor, v_pages: Tensor, D: int) -> None:
         raise ValueError(f"k_pages {tuple(k_pages.shape)} and v_pages {tuple(v_pages.shape)} differ")
 
 
-def check_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, pages: PageTable, inv_freq: Tensor) -> None:
+def check_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, pages: PageTable, inv_freq: Tensor,
+                    ape_temperature: float = 1.0, ape_scale: float = 1.0) -> None:
     if q.dim() != 3:
         raise ValueError(f"q must be 3-D, got {tuple(q.shape)}")
     D = q.shape[-1]
@@ -43,6 +46,17 @@ def check_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, pages: PageTabl
     if inv_freq.dtype != torch.float32 or tuple(inv_freq.shape) != (D // 2,):
         raise ValueError(f"inv_freq must be float32 [{D // 2}], got {inv_freq.dtype} {tuple(inv_freq.shape)}")
     pages.validate()
+    check_ape(ape_temperature, ape_scale)
+    if ape_enabled(ape_temperature, ape_scale) and not pages.has_ape:
+        raise ValueError("ape_temperature and ape_scale apply to the entries PageTable.ape_lo..ape_hi, "
+                         "and this page table has none")
+
+
+def check_ape(temperature: float, scale: float) -> None:
+    """APE's temperature T and scale S: positive and finite (the logits take / T and + ln S)."""
+    for name, x in (("ape_temperature", temperature), ("ape_scale", scale)):
+        if not (math.isfinite(x) and x > 0):
+            raise ValueError(f"{name} must be a positive finite number, got {x}")
 
 
 def check_rotate_copy(k_pages: Tensor, v_pages: Tensor, src: Tensor, dst: Tensor, delta: Tensor,

@@ -6,20 +6,20 @@ import triton
 import triton.language as tl
 
 from . import tuning
-from .page_loop import LOG2E, TL_DTYPE, attn_pages, needs_idx64, precision
-from .pages import PageTable
+from .page_loop import TL_DTYPE, attn_pages, logit_scales, needs_idx64, precision
+from .pages import PageTable, ape_enabled
 from .splits import merge_splits, scratch, split_count, split_range, store_partial
 
 
 # stride_tb and num_splits change from call to call: not specialised (see prefill.py)
 @triton.jit(do_not_specialize=["stride_tb", "num_splits"])
-def _decode_split_kernel(Q, K, V, OP, LSE, IDS, DELTA, START, LEN, COUNT, QPOS, INVF,
+def _decode_split_kernel(Q, K, V, OP, LSE, IDS, DELTA, START, LEN, COUNT, APE_LO, APE_HI, QPOS, INVF,
                          stride_qb, stride_qh, stride_kp, stride_kt, stride_kh,
                          stride_vp, stride_vt, stride_vh, stride_tb, num_heads, num_splits,
-                         qk_scale,
+                         qk_scale, ape_qk_scale, ape_bias,
                          GROUP: tl.constexpr, DTYPE: tl.constexpr, PS: tl.constexpr, HALF: tl.constexpr,
                          BLOCK_H: tl.constexpr, ROTATE: tl.constexpr, PREC: tl.constexpr, IDX64: tl.constexpr,
-                         TMA: tl.constexpr):
+                         TMA: tl.constexpr, APE: tl.constexpr):
     # one program: the query heads of one KV head (each page read once for the group) over
     # one split of one request's pages
     b = tl.program_id(0)
@@ -39,17 +39,23 @@ def _decode_split_kernel(Q, K, V, OP, LSE, IDS, DELTA, START, LEN, COUNT, QPOS, 
     m_i = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     tb = b.to(tl.int64) * stride_tb
+    ape_lo = 0
+    ape_hi = 0
+    if APE:
+        ape_lo = tl.load(APE_LO + b)
+        ape_hi = tl.load(APE_HI + b)
     if lo < hi:
         acc, m_i, l_i = attn_pages(qrows, gmask, qpos, qmin, invf, acc, m_i, l_i,
                                    K, V, IDS + tb, DELTA + tb, START + tb, LEN + tb, kvh, lo, hi,
                                    stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
-                                   qk_scale, DTYPE, PS, HALF, BLOCK_H, ROTATE, PREC, IDX64, TMA)
+                                   qk_scale, ape_lo, ape_hi, ape_qk_scale, ape_bias,
+                                   DTYPE, PS, HALF, BLOCK_H, ROTATE, PREC, IDX64, TMA, APE)
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     store_partial(OP, LSE, o, m_i, l_i, b.to(tl.int64) * num_heads + heads, num_splits, sp, gmask, offs_d)
 
 
 def launch_config(dtype: torch.dtype, num_heads: int, kv_heads: int, head_dim: int, page_size: int, *,
-                  rotate: bool = True, idx64: bool = False, tma: bool = False,
+                  rotate: bool = True, idx64: bool = False, tma: bool = False, ape: bool = False,
                   capability: tuple[int, int] | None = None, block_h: int | None = None,
                   num_warps: int | None = None, num_stages: int = 2) -> tuning.Launch:
     """The decode kernel as a launch of these shapes runs it. Options left None take the
@@ -60,7 +66,7 @@ def launch_config(dtype: torch.dtype, num_heads: int, kv_heads: int, head_dim: i
     group = num_heads // kv_heads
     constexprs = dict(GROUP=group, DTYPE=TL_DTYPE[dtype], PS=page_size, HALF=head_dim // 2,
                       BLOCK_H=block_h or max(16, triton.next_power_of_2(group)), ROTATE=bool(rotate),
-                      PREC=precision(dtype), IDX64=idx64, TMA=tma)
+                      PREC=precision(dtype), IDX64=idx64, TMA=tma, APE=ape)
     options = dict(num_warps=num_warps or tuning.decode(head_dim, capability).num_warps, num_stages=num_stages)
     return tuning.Launch(_decode_split_kernel, constexprs, options)
 
@@ -86,8 +92,9 @@ def _page_descriptors(k_pages, v_pages):
 
 
 def lazy_decode(q, k_pages, v_pages, pages: PageTable, q_pos, inv_freq, sm_scale, rotate=True,
-                num_splits: int | None = None, num_warps: int | None = None, num_stages: int = 2,
-                tma: bool = False, block_h: int | None = None, out=None):
+                ape_temperature: float = 1.0, ape_scale: float = 1.0, num_splits: int | None = None,
+                num_warps: int | None = None, num_stages: int = 2, tma: bool = False, block_h: int | None = None,
+                out=None):
     B, H, D = q.shape
     _, PS, Hkv, _ = k_pages.shape
     o = torch.empty_like(q) if out is None else out
@@ -103,12 +110,14 @@ def lazy_decode(q, k_pages, v_pages, pages: PageTable, q_pos, inv_freq, sm_scale
     tma = _use_tma(tma, k_pages, v_pages, q.device)
     if tma:
         kk, vv = _page_descriptors(k_pages, v_pages)
+    ape = ape_enabled(ape_temperature, ape_scale)
     launch = launch_config(q.dtype, H, Hkv, D, PS, rotate=rotate, idx64=needs_idx64(k_pages, v_pages), tma=tma,
-                           capability=cap, block_h=block_h, num_warps=num_warps, num_stages=num_stages)
+                           ape=ape, capability=cap, block_h=block_h, num_warps=num_warps, num_stages=num_stages)
     _decode_split_kernel[(B, Hkv, num_splits)](
-        q, kk, vv, op, lse, pages.ids, pages.delta, pages.start, pages.length, pages.count, q_pos, inv_freq,
+        q, kk, vv, op, lse, pages.ids, pages.delta, pages.start, pages.length, pages.count,
+        pages.ape_lo if ape else None, pages.ape_hi if ape else None, q_pos, inv_freq,
         q.stride(0), q.stride(1), k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
         v_pages.stride(0), v_pages.stride(1), v_pages.stride(2), pages.ids.stride(0), H, num_splits,
-        float(sm_scale) * LOG2E, **launch.constexprs, **launch.options)
+        *logit_scales(sm_scale, ape_temperature, ape_scale), **launch.constexprs, **launch.options)
     merge_splits(op, lse, o, num_splits)
     return o

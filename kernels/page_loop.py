@@ -1,9 +1,12 @@
 """The key loop both attention kernels share: a request's pages walked one page per key block,
 with online softmax and the rotated query rebuilt where a page's delta changes.
 
-Also the host-side values that pick its variant (dtype, dot precision, offset width).
+Also the host-side values that pick its variant (dtype, dot precision, offset width) and its
+logit scales.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 import triton
@@ -13,6 +16,14 @@ from .rotation import cos_sin, join, rotate
 
 LOG2E = 1.4426950408889634  # the loop works in exp2: scores are scaled by sm_scale * log2(e)
 TL_DTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+
+
+def logit_scales(sm_scale: float, ape_temperature: float, ape_scale: float) -> tuple[float, float, float]:
+    """(qk_scale, ape_qk_scale, ape_bias) in the loop's exp2 units: a plain entry's logit is
+    (q . k) * qk_scale, an APE entry's (q . k) * ape_qk_scale + ape_bias, which is
+    log2(e) x ((q . k) * sm_scale / T + ln S)."""
+    qk_scale = float(sm_scale) * LOG2E
+    return qk_scale, qk_scale / ape_temperature, math.log2(ape_scale)
 
 
 def precision(dtype: torch.dtype) -> str:
@@ -39,9 +50,11 @@ def query_at(qrows, qmask, qpos, d, invf, HALF: tl.constexpr, DTYPE: tl.constexp
 @triton.jit
 def page_step(q, p, d, qpos, qmin, acc, m_i, l_i, K, V, ids_row, start_row, len_row, kvh,
               stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, qk_scale,
+              ape_lo, ape_hi, ape_qk_scale, ape_bias,
               DTYPE: tl.constexpr, PS: tl.constexpr, HALF: tl.constexpr,
-              PREC: tl.constexpr, IDX64: tl.constexpr, TMA: tl.constexpr):
-    """Online softmax over page entry p (of delta d): one key block of PS keys."""
+              PREC: tl.constexpr, IDX64: tl.constexpr, TMA: tl.constexpr, APE: tl.constexpr):
+    """Online softmax over page entry p (of delta d): one key block of PS keys. APE: entries
+    ape_lo <= p < ape_hi take ape_qk_scale and ape_bias (logit_scales)."""
     offs_n = tl.arange(0, PS)
     offs_d = tl.arange(0, 2 * HALF)
     pid = tl.load(ids_row + p)
@@ -53,7 +66,12 @@ def page_step(q, p, d, qpos, qmin, acc, m_i, l_i, K, V, ids_row, start_row, len_
         k = K.load([pid * PS, kvh * (2 * HALF)])
     else:
         k = tl.load(K + pid * stride_kp + kvh * stride_kh + offs_n[:, None] * stride_kt + offs_d[None, :])
-    s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+    if APE:
+        in_ape = (p >= ape_lo) & (p < ape_hi)
+        s = tl.dot(q, tl.trans(k), input_precision=PREC) * tl.where(in_ape, ape_qk_scale, qk_scale)
+        s = s + tl.where(in_ape, ape_bias, 0.0)
+    else:
+        s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
     # mask only pages that need it: partly filled, or holding keys after the earliest query
     if (n_valid < PS) | (k0 + PS - 1 > qmin):
         keep = (offs_n < n_valid)[None, :] & ((k0 + offs_n)[None, :] <= qpos[:, None])
@@ -77,9 +95,10 @@ def page_step(q, p, d, qpos, qmin, acc, m_i, l_i, K, V, ids_row, start_row, len_
 def attn_pages(qrows, qmask, qpos, qmin, invf, acc, m_i, l_i,
                K, V, ids_row, delta_row, start_row, len_row, kvh, p_lo, p_hi,
                stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
-               qk_scale,
+               qk_scale, ape_lo, ape_hi, ape_qk_scale, ape_bias,
                DTYPE: tl.constexpr, PS: tl.constexpr, HALF: tl.constexpr, BLOCK_M: tl.constexpr,
-               ROTATE: tl.constexpr, PREC: tl.constexpr, IDX64: tl.constexpr, TMA: tl.constexpr):
+               ROTATE: tl.constexpr, PREC: tl.constexpr, IDX64: tl.constexpr, TMA: tl.constexpr,
+               APE: tl.constexpr):
     """Online softmax over page entries [p_lo, p_hi) of one request, one page per key block.
 
     qrows: row pointers to the query (qmin: the earliest position among the rows, which
@@ -89,6 +108,8 @@ def attn_pages(qrows, qmask, qpos, qmin, invf, acc, m_i, l_i,
     without rotation: one full-width dot. A rebuild re-reads the rows (L2) and rotates them
     from scratch, in fp32, by each row's own angle: with cheap cos/sin that beats keeping a
     per-row rotation in scratch, and one flat loop beats a loop per delta.
+    APE (compiled out unless set): entries ape_lo <= p < ape_hi of the request take APE's
+    temperature and scale (page_step).
     """
     if ROTATE:
         q = tl.zeros([BLOCK_M, 2 * HALF], dtype=DTYPE)
@@ -103,5 +124,5 @@ def attn_pages(qrows, qmask, qpos, qmin, invf, acc, m_i, l_i,
                 d_cur = d
         acc, m_i, l_i = page_step(q, p, d, qpos, qmin, acc, m_i, l_i, K, V, ids_row, start_row, len_row, kvh,
                                   stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, qk_scale,
-                                  DTYPE, PS, HALF, PREC, IDX64, TMA)
+                                  ape_lo, ape_hi, ape_qk_scale, ape_bias, DTYPE, PS, HALF, PREC, IDX64, TMA, APE)
     return acc, m_i, l_i

@@ -7,8 +7,8 @@ import triton.language as tl
 
 from . import tuning
 from .mode import INTERPRETED
-from .page_loop import LOG2E, TL_DTYPE, attn_pages, needs_idx64, precision
-from .pages import PageTable
+from .page_loop import TL_DTYPE, attn_pages, logit_scales, needs_idx64, precision
+from .pages import PageTable, ape_enabled
 from .splits import merge_splits, scratch, split_count, split_range, store_partial
 
 
@@ -16,13 +16,13 @@ from .splits import merge_splits, scratch, split_count, split_range, store_parti
 # are marked do_not_specialize: Triton would otherwise compile another variant whenever one
 # became a multiple of 16, in the middle of a serving run.
 @triton.jit(do_not_specialize=["stride_tb", "num_splits"])
-def _prefill_kernel(Q, K, V, O, OP, LSE, IDS, DELTA, START, LEN, COUNT, CU, QPOS, INVF,
+def _prefill_kernel(Q, K, V, O, OP, LSE, IDS, DELTA, START, LEN, COUNT, APE_LO, APE_HI, CU, QPOS, INVF,
                     stride_qt, stride_qh, stride_kp, stride_kt, stride_kh,
                     stride_vp, stride_vt, stride_vh, stride_ot, stride_oh, stride_tb, num_splits,
-                    qk_scale,
+                    qk_scale, ape_qk_scale, ape_bias,
                     GROUP: tl.constexpr, DTYPE: tl.constexpr, PS: tl.constexpr,
                     HALF: tl.constexpr, BLOCK_M: tl.constexpr, ROTATE: tl.constexpr,
-                    PREC: tl.constexpr, IDX64: tl.constexpr, SPLIT: tl.constexpr):
+                    PREC: tl.constexpr, IDX64: tl.constexpr, SPLIT: tl.constexpr, APE: tl.constexpr):
     # one program: one query head (packing the GQA group into the tile's rows was no faster)
     # of one tile of one request, over one split of the request's pages (SPLIT: partial
     # results to OP/LSE, merged by the merge kernel; otherwise straight to O)
@@ -51,10 +51,16 @@ def _prefill_kernel(Q, K, V, O, OP, LSE, IDS, DELTA, START, LEN, COUNT, CU, QPOS
         hi = n_pages
         if SPLIT:  # (unsplit, the walk keeps its fixed start: runtime bounds cost registers)
             lo, hi = split_range(n_pages, num_splits, sp)
+        ape_lo = 0
+        ape_hi = 0
+        if APE:
+            ape_lo = tl.load(APE_LO + b)
+            ape_hi = tl.load(APE_HI + b)
         acc, m_i, l_i = attn_pages(qrows, mmask, qpos, qmin, invf, acc, m_i, l_i,
                                    K, V, IDS + tb, DELTA + tb, START + tb, LEN + tb, kvh, lo, hi,
                                    stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
-                                   qk_scale, DTYPE, PS, HALF, BLOCK_M, ROTATE, PREC, IDX64, False)
+                                   qk_scale, ape_lo, ape_hi, ape_qk_scale, ape_bias,
+                                   DTYPE, PS, HALF, BLOCK_M, ROTATE, PREC, IDX64, False, APE)
         l_safe = tl.where(l_i > 0, l_i, 1.0)
         o = tl.where(l_i[:, None] > 0, acc / l_safe[:, None], 0.0)
         if SPLIT:
@@ -66,9 +72,9 @@ def _prefill_kernel(Q, K, V, O, OP, LSE, IDS, DELTA, START, LEN, COUNT, CU, QPOS
 
 
 def launch_config(dtype: torch.dtype, num_heads: int, kv_heads: int, head_dim: int, page_size: int, *,
-                  rotate: bool = True, idx64: bool = False, capability: tuple[int, int] | None = None,
-                  block_m: int = 64, num_warps: int | None = None, num_stages: int | None = None,
-                  maxnreg: int | None = None) -> tuning.Launch:
+                  rotate: bool = True, idx64: bool = False, ape: bool = False,
+                  capability: tuple[int, int] | None = None, block_m: int = 64, num_warps: int | None = None,
+                  num_stages: int | None = None, maxnreg: int | None = None) -> tuning.Launch:
     """The prefill kernel as a launch of these shapes runs it (SPLIT aside: each launch sets it
     from its split count). Options left None take the tuning table's values for the GPU.
 
@@ -77,16 +83,16 @@ def launch_config(dtype: torch.dtype, num_heads: int, kv_heads: int, head_dim: i
     tuned = tuning.prefill(head_dim, capability)
     maxnreg = tuned.maxnreg if maxnreg is None else maxnreg  # 0: no cap
     constexprs = dict(GROUP=num_heads // kv_heads, DTYPE=TL_DTYPE[dtype], PS=page_size, HALF=head_dim // 2,
-                      BLOCK_M=block_m, ROTATE=bool(rotate), PREC=precision(dtype), IDX64=idx64)
+                      BLOCK_M=block_m, ROTATE=bool(rotate), PREC=precision(dtype), IDX64=idx64, APE=ape)
     options = dict(num_warps=num_warps or (8 if block_m >= 128 else 4), num_stages=num_stages or tuned.num_stages,
                    **({"maxnreg": maxnreg} if maxnreg else {}))
     return tuning.Launch(_prefill_kernel, constexprs, options)
 
 
 def lazy_prefill(q, k_pages, v_pages, pages: PageTable, cu_seqlens_q, q_pos, inv_freq, sm_scale, rotate=True,
-                 max_seqlen_q: int | None = None, block_m: int = 64, num_warps: int | None = None,
-                 num_stages: int | None = None, num_splits: int | None = None, maxnreg: int | None = None,
-                 out=None):
+                 ape_temperature: float = 1.0, ape_scale: float = 1.0, max_seqlen_q: int | None = None,
+                 block_m: int = 64, num_warps: int | None = None, num_stages: int | None = None,
+                 num_splits: int | None = None, maxnreg: int | None = None, out=None):
     total, H, D = q.shape
     _, PS, Hkv, _ = k_pages.shape
     B = pages.ids.shape[0]
@@ -97,7 +103,8 @@ def lazy_prefill(q, k_pages, v_pages, pages: PageTable, cu_seqlens_q, q_pos, inv
         max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max().item())
     n_tiles = max(1, triton.cdiv(max_seqlen_q, block_m))
     cap = tuning.capability(q.device)
-    launch = launch_config(q.dtype, H, Hkv, D, PS, rotate=rotate, idx64=needs_idx64(k_pages, v_pages),
+    ape = ape_enabled(ape_temperature, ape_scale)
+    launch = launch_config(q.dtype, H, Hkv, D, PS, rotate=rotate, idx64=needs_idx64(k_pages, v_pages), ape=ape,
                            capability=cap, block_m=block_m, num_warps=num_warps, num_stages=num_stages,
                            maxnreg=maxnreg)
     if num_splits is None:  # few tiles (short questions, small batches): split the pages too
@@ -107,10 +114,10 @@ def lazy_prefill(q, k_pages, v_pages, pages: PageTable, cu_seqlens_q, q_pos, inv
     op = scratch((total, H, num_splits, D), q.device) if split else o
     lse = scratch((total, H, num_splits), q.device) if split else o
     args = [q, k_pages, v_pages, o, op, lse, pages.ids, pages.delta, pages.start, pages.length, pages.count,
-            cu_seqlens_q, q_pos, inv_freq,
+            pages.ape_lo if ape else None, pages.ape_hi if ape else None, cu_seqlens_q, q_pos, inv_freq,
             q.stride(0), q.stride(1), k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
             v_pages.stride(0), v_pages.stride(1), v_pages.stride(2), o.stride(0), o.stride(1), pages.ids.stride(0),
-            num_splits, float(sm_scale) * LOG2E]
+            num_splits, *logit_scales(sm_scale, ape_temperature, ape_scale)]
     grid = (H, B, n_tiles * num_splits)
     _prefill_kernel[grid](*args, SPLIT=split, **launch.constexprs, **launch.options)
     _compile_split_twin(args, launch, split)

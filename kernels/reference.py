@@ -5,20 +5,24 @@ the tests' oracle and the engine's path where Triton cannot run (CPU). Vectorise
 request: one batched matmul over all pages (the query rotated for each page's delta), or
 one SDPA call when the request has a single delta; no per-key Python loops.
 Scores and softmax are computed in fp32; the rotated query is rounded to the input dtype
-before the dot product, as the kernels do.
+before the dot product, as the kernels do. APE's temperature and scale, where given, scale
+and shift the scores of the request's APE entries.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .pages import PageTable
+from .pages import PageTable, ape_enabled
 from .rope import rope
 
 
-def _attend_one(qb, mpos, k_pages, v_pages, ids, delta, start, length, inv_freq, sm_scale, rotate):
-    """One request: qb [L, H, D] (input dtype), mpos [L] int32; page entries already cut to count."""
+def _attend_one(qb, mpos, k_pages, v_pages, ids, delta, start, length, inv_freq, sm_scale, rotate, ape=None):
+    """One request: qb [L, H, D] (input dtype), mpos [L] int32; page entries already cut to count.
+    ape: None, or (lo, hi, 1 / T, ln S) for a non-empty run of entries lo <= p < hi."""
     L, H, D = qb.shape
     _, PS, Hkv, _ = k_pages.shape
     G = H // Hkv
@@ -30,7 +34,7 @@ def _attend_one(qb, mpos, k_pages, v_pages, ids, delta, start, length, inv_freq,
     valid = (j[None, :] < length.long()[:, None]).reshape(N)
 
     deltas, page_delta = torch.unique(delta.long(), return_inverse=True)
-    if not rotate or len(deltas) <= 1:
+    if ape is None and (not rotate or len(deltas) <= 1):
         # one delta (a chunk at index time, or keys already at their logical positions):
         # rotating the query once makes this ordinary attention
         if rotate and len(deltas):
@@ -42,13 +46,19 @@ def _attend_one(qb, mpos, k_pages, v_pages, ids, delta, start, length, inv_freq,
     # the query rotated by R(m - delta) once per distinct delta, rounded to the input dtype as
     # the kernels do, handed to every page of that delta; then all pages' scores in one batched
     # matmul: [Hkv, N, G, L]
-    pos = (mpos.long()[None, :] - deltas[:, None]).reshape(-1)
-    qr = rope(qb.to(torch.float32).repeat(len(deltas), 1, 1), pos, inv_freq).to(qb.dtype).to(torch.float32)
-    qr = qr.view(len(deltas), L, H, D)[page_delta]
+    if rotate:
+        pos = (mpos.long()[None, :] - deltas[:, None]).reshape(-1)
+        qr = rope(qb.to(torch.float32).repeat(len(deltas), 1, 1), pos, inv_freq).to(qb.dtype).to(torch.float32)
+        qr = qr.view(len(deltas), L, H, D)[page_delta]
+    else:  # keys at their logical positions: the same query for every page
+        qr = qb.to(torch.float32).expand(n, L, H, D)
     K = k_pages[ids.long()].to(torch.float32)  # [n, PS, Hkv, D]
     V = v_pages[ids.long()].reshape(N, Hkv, D).to(torch.float32).permute(1, 0, 2)  # [Hkv, N, D]
-    scores = torch.einsum("nphd,nlhgd->hnpgl", K, qr.view(n, L, Hkv, G, D)).reshape(Hkv, N, G, L)
+    scores = torch.einsum("nphd,nlhgd->hnpgl", K, qr.reshape(n, L, Hkv, G, D)).reshape(Hkv, N, G, L)
     scores.mul_(sm_scale)
+    if ape is not None:
+        lo, hi, inv_temperature, log_scale = ape
+        scores[:, lo * PS: hi * PS].mul_(inv_temperature).add_(log_scale)
     scores.masked_fill_(~mask.t()[None, :, None, :], float("-inf"))
     m = scores.amax(dim=1, keepdim=True)
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
@@ -94,28 +104,43 @@ def _check(q, k_pages, v_pages, inv_freq):
         raise ValueError(f"inv_freq must be [{D // 2}], got {tuple(inv_freq.shape)}")
 
 
+def _ape_ranges(pages: PageTable, counts: list[int], temperature: float, scale: float) -> list:
+    """Per request, _attend_one's ape argument: None where APE is off or its run is empty."""
+    if not ape_enabled(temperature, scale):
+        return [None] * len(counts)
+    if not pages.has_ape:
+        raise ValueError("ape_temperature and ape_scale need PageTable.ape_lo and ape_hi")
+    runs = zip(pages.ape_lo.tolist(), pages.ape_hi.tolist(), counts)
+    return [(max(lo, 0), min(hi, n), 1.0 / temperature, math.log(scale)) if max(lo, 0) < min(hi, n) else None
+            for lo, hi, n in runs]
+
+
 def lazy_prefill(q: Tensor, k_pages: Tensor, v_pages: Tensor, pages: PageTable, cu_seqlens_q: Tensor,
-                 q_pos: Tensor, inv_freq: Tensor, sm_scale: float, rotate: bool = True, **_unused) -> Tensor:
+                 q_pos: Tensor, inv_freq: Tensor, sm_scale: float, rotate: bool = True,
+                 ape_temperature: float = 1.0, ape_scale: float = 1.0, **_unused) -> Tensor:
     _check(q, k_pages, v_pages, inv_freq)
     out = torch.zeros_like(q)
     inv_freq = inv_freq.to(device=q.device, dtype=torch.float32)
     cu = cu_seqlens_q.tolist()
     counts = pages.count.tolist()
+    apes = _ape_ranges(pages, counts, ape_temperature, ape_scale)
     for b in range(len(cu) - 1):
         qs, qe, n = cu[b], cu[b + 1], counts[b]
         if qe <= qs or n <= 0:
             continue
         o = _attend_one(q[qs:qe], q_pos[qs:qe], k_pages, v_pages, pages.ids[b, :n], pages.delta[b, :n],
-                        pages.start[b, :n], pages.length[b, :n], inv_freq, sm_scale, rotate)
+                        pages.start[b, :n], pages.length[b, :n], inv_freq, sm_scale, rotate, apes[b])
         out[qs:qe] = o.to(q.dtype)
     return out
 
 
 def lazy_decode(q: Tensor, k_pages: Tensor, v_pages: Tensor, pages: PageTable, q_pos: Tensor,
-                inv_freq: Tensor, sm_scale: float, rotate: bool = True, **_unused) -> Tensor:
+                inv_freq: Tensor, sm_scale: float, rotate: bool = True, ape_temperature: float = 1.0,
+                ape_scale: float = 1.0, **_unused) -> Tensor:
     B = q.shape[0]
     cu = torch.arange(B + 1, dtype=torch.int32, device=q.device)
-    return lazy_prefill(q, k_pages, v_pages, pages, cu, q_pos, inv_freq, sm_scale, rotate)
+    return lazy_prefill(q, k_pages, v_pages, pages, cu, q_pos, inv_freq, sm_scale, rotate, ape_temperature,
+                        ape_scale)
 
 
 def rotate_copy(k_pages: Tensor, v_pages: Tensor, src: Tensor, dst: Tensor, delta: Tensor, inv_freq: Tensor,

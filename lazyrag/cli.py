@@ -125,6 +125,19 @@ def answer(
                                          "its first chunk, in pages private to the request, attending to the chunks "
                                          "before them (page 0 of each chunk first). 0 is off; 1 reproduces full. "
                                          "Costs prefill time and F x those pages of --cache-gb per request."),
+    recompute_policy: str = typer.Option(AnswerConfig.recompute_policy,
+                                         help="Which pages --recompute takes: head (page 0 of each chunk, then "
+                                              "page 1, ...) or attention (those the question attends to most at "
+                                              "--recompute-layer, measured in a pass over the first layers)."),
+    recompute_layer: int = typer.Option(AnswerConfig.recompute_layer, min=0,
+                                        help="The layer whose attention ranks pages (--recompute-policy attention)."),
+    ape_temperature: float = typer.Option(AnswerConfig.ape_temperature, metavar="T",
+                                          help="lazy and block only: APE's correction of the attention a question "
+                                               "pays to separately encoded chunks, its logits to chunk keys divided "
+                                               "by T (adaptive parallel encoding). 1 = off."),
+    ape_scale: float = typer.Option(AnswerConfig.ape_scale, metavar="S",
+                                    help="lazy and block only: APE's scale, ln S added to the question's logits to "
+                                         "chunk keys (with --ape-temperature). 1 = off."),
     as_json: bool = JsonOpt,
     quiet: bool = QuietOpt,
 ):
@@ -135,7 +148,8 @@ def answer(
                        max_new_tokens=max_new_tokens, cache_gb=cache_gb, host_cache_gb=host_cache_gb,
                        batch_size=batch_size, device=device, temperature=temperature, top_p=top_p,
                        seed=seed, trust_remote_code=trust_remote_code, cuda_graphs=cuda_graphs, audit=audit,
-                       recompute=recompute)
+                       recompute=recompute, recompute_policy=recompute_policy, recompute_layer=recompute_layer,
+                       ape_temperature=ape_temperature, ape_scale=ape_scale)
     try:
         result = answer_file(cfg, report=lambda m: err.print(f"[yellow]bad input:[/] {m}", highlight=False),
                              progress=not (as_json or quiet))
@@ -143,12 +157,15 @@ def answer(
         _fail(exc)
     if as_json:
         print(json.dumps({**result.record, "skipped_already_answered": result.skipped}))
-        return
-    from lazyrag.commands.stats import render_run
+    else:
+        from lazyrag.commands.stats import render_run
 
-    if result.skipped:
-        out.print(f"{result.skipped} queries were already answered in {out_path}; skipped")
-    render_run(result.record, out)
+        if result.skipped:
+            out.print(f"{result.skipped} queries were already answered in {out_path}; skipped")
+        render_run(result.record, out)
+        out.print(f"{result.failed} queries failed" + (f", listed in {result.errors}" if result.failed else ""))
+    if result.failed and not result.record["queries"]:
+        raise typer.Exit(3)  # bad input: nothing could be answered
 
 
 @app.command()

@@ -55,7 +55,12 @@ class AnswerConfig:
     cuda_graphs: bool = True      # replay decode steps from CUDA graphs (GPU only)
     trust_remote_code: bool = False
     audit: int = 0                # queries of the run also answered in full, to measure the gap to it
-    recompute: float = 0.0        # share of chunk pages after the first recomputed per request (lazyrag/serve/recompute.py)
+    recompute: float = 0.0        # share of the chunk pages after the first chunk recomputed per request
+    recompute_policy: str = "head"  # which pages: head (first pages of each chunk) or attention (the question's)
+    recompute_layer: int = 2      # the layer whose attention ranks pages for the attention policy
+    # APE's attention temperature and scale on the question's attention to the chunks (lazy, block); 1 = off
+    ape_temperature: float = 1.0
+    ape_scale: float = 1.0
 
     def __post_init__(self):
         self.mode = Mode(self.mode)  # scripts may pass the plain name

@@ -126,6 +126,51 @@ def run(engine_args: dict, loaded, store, mode: str, prompts, questions, cache_g
     return result
 
 
+def batch_sweep(kw: dict, loaded, store, prompts, questions, cache_gb: float, args, model: str, save, out) -> list:
+    """Closed Zipf runs of lazy without recompute, lazy and block with each --recompute fraction, and
+    full, each at every --batch-sizes value: a mode's best batch size against another's best."""
+    from lazyrag.serve import Recompute
+
+    configs = [("lazy", 0.0)] + [(m, f) for f in args.recompute for m in ("lazy", "block")]
+    if not args.skip_full:
+        configs.append(("full", 0.0))
+    rows = []
+    for mode, fraction in configs:
+        n = min(len(prompts), args.full_requests) if mode == "full" else len(prompts)
+        for bs in args.batch_sizes:
+            engine_args = dict(kw, recompute=Recompute(fraction, args.recompute_policy))
+            try:
+                r = run(engine_args, loaded, store, mode, prompts[:n], questions[:n], cache_gb, bs)
+            except Exception as exc:  # block's copies may not fit a large batch: say so
+                r = {"mode": mode, "batch_size": bs, "error": str(exc)[:120]}
+            r["recompute"] = fraction
+            rows.append(r)
+            out["batch_sweep"] = rows
+            save(out)
+            print(f"[{model}] batch sweep {mode} recompute {fraction} batch {bs}: {json.dumps(r)}", flush=True)
+    return rows
+
+
+def sweep_table(results: list[dict]) -> str:
+    """Each (mode, recompute) at its best batch size, with the ratios the claims rest on."""
+    lines = ["| model | mode | recompute | best batch | req/s | TTFT mean ms | req/s at each batch size |",
+             "|---|---|---|---|---|---|---|"]
+    for res in results:
+        best = {}
+        for r in res.get("batch_sweep", []):
+            key = (r["mode"], r["recompute"])
+            best.setdefault(key, []).append(r)
+        for (mode, f), rows in best.items():
+            ok = [r for r in rows if "req_per_s" in r]
+            top = max(ok, key=lambda r: r["req_per_s"], default=None)
+            each = ", ".join(f"{r['batch_size']}: {r['req_per_s']:.1f}" if "req_per_s" in r else
+                             f"{r['batch_size']}: does not fit" for r in rows)
+            if top:
+                lines.append(f"| {res['model'].split(':')[-1]} | {mode} | {f} | {top['batch_size']} | "
+                             f"{top['req_per_s']:.1f} | {top['ttft_ms']['mean']:.0f} | {each} |")
+    return "\n".join(lines)
+
+
 def profile_run(engine_args: dict, loaded, store, mode: str, prompts, questions, cache_gb: float,
                 batch_size: int, model: str) -> dict:
     """One closed run under torch.profiler: where the time goes (GPU busy share, top kernels)."""
@@ -184,6 +229,9 @@ def bench_model(model: str, args, root: Path, save) -> dict:
         out["profile"] = {m: profile_run(kw, loaded, store, m, zipf[:args.profile], questions, cache, args.batch_size,
                                          model) for m in ("lazy", "block")}
         save(out)
+    if args.recompute:
+        out["batch_sweep"] = batch_sweep(kw, loaded, store, zipf, questions, cache, args, model, save, out)
+        return out
     if args.only_lazy_at:
         for gb in args.only_lazy_at:
             r = run(kw, loaded, store, "lazy", zipf, questions, gb, args.batch_size)
@@ -339,6 +387,11 @@ def main() -> None:
                     help="also run lazy and block on N Zipf requests under torch.profiler (GPU busy share, "
                          "top kernels) before the timed runs")
     ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--recompute", type=lambda s: [float(x) for x in s.split(",") if x], default=[],
+                    help="only the batch sweep: lazy (no recompute), then lazy and block at each of these recompute "
+                         "fractions, then full, each at every --batch-sizes value")
+    ap.add_argument("--recompute-policy", default="head")
+    ap.add_argument("--batch-sizes", type=lambda s: [int(x) for x in s.split(",") if x], default=[16, 32, 64, 128])
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs anywhere (the engine's --eager)")
     ap.add_argument("--warm", action="store_true",
                     help="after the closed Zipf rounds, time lazy and block once more on a cache warmed by an "
@@ -367,8 +420,9 @@ def main() -> None:
     for model in args.models.split(","):
         results.append(bench_model(model, args, root, save))
         save()
-    print(table(results))
-    (out_dir / "bench_e2e.md").write_text(table(results) + "\n")
+    text = sweep_table(results) if args.recompute else table(results)
+    print(text)
+    (out_dir / "bench_e2e.md").write_text(text + "\n")
 
 
 if __name__ == "__main__":

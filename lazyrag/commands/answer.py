@@ -2,18 +2,18 @@
 
 Answers are appended and flushed one line per finished query, so an interrupted run
 loses nothing: re-running with the same --out skips the ids already answered. A bad
-query line is reported with its line number and the others are still answered.
+query line is reported with its line number and the others are still answered; a query
+that fails goes to the errors file (lazyrag.commands.answers_file) and is retried next run.
 """
 
 from __future__ import annotations
 
-import json
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
 
+from lazyrag.commands.answers_file import AnswersFile
 from lazyrag.commands.audit import answer_text, audit_run
 from lazyrag.commands.queries import read_queries, resolve_chunks
 from lazyrag.config import AnswerConfig
@@ -29,37 +29,8 @@ class RunSummary:
     record: dict
     skipped: int
     bad: list[str] = field(default_factory=list)
-
-
-class AnswersFile:
-    """The answers JSONL, appended to: `done` holds the ids already answered, and each row
-    written is synced to disk at once, so a killed run resumes where it stopped."""
-
-    def __init__(self, path: Path):
-        self.done = answered_ids(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._fh = open(path, "a", encoding="utf-8")
-
-    def write(self, row: dict) -> None:
-        self._fh.write(json.dumps(row, ensure_ascii=False) + "\n")
-        self._fh.flush()
-        os.fsync(self._fh.fileno())
-
-    def close(self) -> None:
-        self._fh.close()
-
-
-def answered_ids(out: Path) -> set[str]:
-    """Ids already in the answers file (a torn last line from a crash is ignored)."""
-    done = set()
-    if out.exists():
-        with open(out, encoding="utf-8") as fh:
-            for line in fh:
-                try:
-                    done.add(str(json.loads(line)["id"]))
-                except (ValueError, KeyError, TypeError):
-                    continue
-    return done
+    failed: int = 0  # queries listed in `errors`
+    errors: Path | None = None
 
 
 def load_model_for(store: Store, cfg: AnswerConfig) -> LoadedModel:
@@ -76,9 +47,15 @@ def load_model_for(store: Store, cfg: AnswerConfig) -> LoadedModel:
 
 def answer_file(cfg: AnswerConfig, report: Callable[[str], None] = print, progress: bool = True) -> RunSummary:
     store = Store.open(cfg.store)
+    # locked before the slow model load, so a clash fails fast; held until the run is recorded
+    with AnswersFile(cfg.out, report) as answers:
+        return _answer_into(answers, store, cfg, report, progress)
+
+
+def _answer_into(answers: AnswersFile, store: Store, cfg: AnswerConfig, report: Callable[[str], None],
+                 progress: bool) -> RunSummary:
     loaded = load_model_for(store, cfg)
     fmt = PromptFormat(loaded.tokenizer)
-    answers = AnswersFile(cfg.out)
     bad: list[str] = []
 
     def note_bad(msg: str) -> None:
@@ -100,7 +77,7 @@ def answer_file(cfg: AnswerConfig, report: Callable[[str], None] = print, progre
                 chunks = resolve_chunks(store, q, retriever, cfg.top_k)
             except StoreError as exc:
                 note_bad(f"{cfg.queries}:{q.line}: query {q.id}: {exc}")
-                answers.write({"id": q.id, "error": str(exc)})
+                answers.write_error(q.id, str(exc), q.line)
                 continue
             yield Request(q.id, chunks, fmt.question_ids(q.question), cfg.max_new_tokens,
                           arrival=time.perf_counter(), meta={"answers": q.answers})
@@ -128,7 +105,9 @@ def answer_file(cfg: AnswerConfig, report: Callable[[str], None] = print, progre
     bar = tqdm(desc=f"answer ({cfg.mode.value})", unit="q", disable=not progress, dynamic_ncols=True)
     engine = Engine(loaded, store, cfg.mode, cfg.cache_gb * 2**30, cfg.batch_size,
                     Sampling(cfg.temperature, cfg.top_p, cfg.seed), cfg.host_cache_gb * 2**30,
-                    cuda_graphs=cfg.cuda_graphs, recompute=Recompute(cfg.recompute))
+                    cuda_graphs=cfg.cuda_graphs,
+                    recompute=Recompute(cfg.recompute, cfg.recompute_policy, cfg.recompute_layer),
+                    ape=(cfg.ape_temperature, cfg.ape_scale))
     t0 = time.perf_counter()
     completed = False
     try:
@@ -136,28 +115,31 @@ def answer_file(cfg: AnswerConfig, report: Callable[[str], None] = print, progre
         completed = True
     finally:
         seconds = time.perf_counter() - t0
-        answers.close()
         bar.close()
         engine.close()  # before the audit builds its engines: one pool at a time
-        record = run_record(cfg, loaded.name, engine, results, seconds, len(bad))
+        record = run_record(cfg, loaded.name, engine, results, seconds, len(bad), answers.failed)
         if results:
             if completed and cfg.audit > 0:
                 record["audit"] = audit_run(cfg, loaded, store, results, answered)
             store.add_run(record)
-    return RunSummary(record, skipped=len(answers.done), bad=bad)
+    return RunSummary(record, skipped=len(answers.done), bad=bad, failed=answers.failed, errors=answers.errors)
 
 
-def run_record(cfg: AnswerConfig, model: str, engine: Engine, rows: list[dict], seconds: float, bad: int) -> dict:
+def run_record(cfg: AnswerConfig, model: str, engine: Engine, rows: list[dict], seconds: float, bad: int,
+               failed: int) -> dict:
     """One run's line in the store's run log (what `lazyrag stats` shows)."""
     scored = [r["score"] for r in rows if "score" in r]
     new_tokens = sum(r["new_tokens"] for r in rows)
     record = {
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "mode": cfg.mode.value, "model": model,
         "device": str(engine.device), "queries": len(rows), "bad_lines": bad,
+        "failed": failed,
         "queries_file": str(cfg.queries), "out": str(cfg.out), "seconds": round(seconds, 3),
         "settings": {"batch_size": cfg.batch_size, "cache_gb": cfg.cache_gb, "host_cache_gb": cfg.host_cache_gb,
                      "max_new_tokens": cfg.max_new_tokens, "top_k": cfg.top_k, "temperature": cfg.temperature,
-                     "recompute": cfg.recompute},
+                     "recompute": cfg.recompute, "recompute_policy": cfg.recompute_policy,
+                     "recompute_layer": cfg.recompute_layer, "ape_temperature": cfg.ape_temperature,
+                     "ape_scale": cfg.ape_scale},
         "cache": engine.cache.counters.to_json(),
         "ttft_ms": scoring.summarize([r["ttft_ms"] for r in rows]),
         "latency_ms": scoring.summarize([r["latency_ms"] for r in rows]),

@@ -26,12 +26,12 @@ def audit_run(cfg: AnswerConfig, loaded: LoadedModel, store: Store, rows: list[d
     sample = random.Random(cfg.seed).sample(answered, min(cfg.audit, len(answered)))
     reqs = [requests[r["id"]] for r in sample]
 
-    def engine(mode: Mode, cuda_graphs: bool) -> Engine:
+    def engine(mode: Mode, cuda_graphs: bool, ape: tuple[float, float] = (1.0, 1.0)) -> Engine:
         return Engine(loaded, store, mode, cfg.cache_gb * 2**30, cfg.batch_size,
                       host_cache_bytes=cfg.host_cache_gb * 2**30, cuda_graphs=cuda_graphs,
-                      recompute=Recompute(cfg.recompute))
+                      recompute=Recompute(cfg.recompute, cfg.recompute_policy, cfg.recompute_layer), ape=ape)
 
-    full = engine(Mode.FULL, cfg.cuda_graphs)
+    full = engine(Mode.FULL, cfg.cuda_graphs)  # plain attention: APE has no chunks to act on in full
     try:
         generated: dict[str, list[int]] = {}
         full.run(reqs, lambda seq: generated.__setitem__(seq.id, seq.generated))
@@ -39,7 +39,8 @@ def audit_run(cfg: AnswerConfig, loaded: LoadedModel, store: Store, rows: list[d
         full_logits = full.teacher_forced_logits(reqs, forced)
     finally:
         full.close()
-    mode = engine(cfg.mode, cuda_graphs=False)  # teacher forcing is all prefill: no decode graphs
+    # teacher forcing is all prefill: no decode graphs
+    mode = engine(cfg.mode, cuda_graphs=False, ape=(cfg.ape_temperature, cfg.ape_scale))
     try:
         logits = mode.teacher_forced_logits(reqs, forced)
     finally:

@@ -29,19 +29,25 @@ class QueryError(ValueError):
 
 
 def read_queries(path: Path, report: Callable[[str], None]) -> Iterator[Query]:
-    """Parse the queries file; a bad line is reported as `file:line: reason` and skipped."""
+    """Parse the queries file; a bad line is reported as `file:line: reason` and skipped.
+    Lines are decoded one by one, so a line that is not UTF-8 costs only itself."""
     try:
-        fh = open(path, encoding="utf-8")
+        fh = open(path, "rb")
     except OSError as exc:
         raise QueryError(f"{path}: cannot read the queries file ({exc.strerror})") from None
     seen: set[str] = set()
     with fh:
-        for n, line in enumerate(fh, 1):
+        for n, raw in enumerate(fh, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                report(f"{path}:{n}: not UTF-8 (byte {raw[exc.start]:#04x} at column {exc.start + 1})")
+                continue
             if not line.strip():
                 continue
             try:
                 q = _parse_query(line, n)
-            except (ValueError, UnicodeDecodeError) as exc:
+            except ValueError as exc:
                 report(f"{path}:{n}: {exc}")
                 continue
             if q.id in seen:
@@ -51,20 +57,38 @@ def read_queries(path: Path, report: Callable[[str], None]) -> Iterator[Query]:
             yield q
 
 
+def _is_id(value) -> bool:
+    return isinstance(value, str) and bool(value)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+# What each list may hold (integers are kept as strings): chunk ids are always strings; the
+# corpus reader accepts integer document ids; gold answers may be numbers.
+_LIST_ITEMS = {"docs": lambda v: _is_id(v) or _is_int(v), "chunks": _is_id,
+               "answers": lambda v: isinstance(v, str) or _is_int(v)}
+
+
 def _parse_query(line: str, n: int) -> Query:
     obj = json.loads(line)
     if not isinstance(obj, dict):
         raise ValueError("expected a JSON object")
     qid, question = obj.get("id"), obj.get("question")
-    if qid is None or not isinstance(question, str) or not question.strip():
-        raise ValueError('needs "id" and a non-empty "question"')
+    if not _is_id(qid):
+        raise ValueError(f'"id" must be a non-empty string, got {json.dumps(qid)[:40]}')
+    if not isinstance(question, str) or not question.strip():
+        raise ValueError('needs a non-empty "question"')
     lists = {}
-    for key in ("docs", "chunks", "answers"):
+    for key, valid in _LIST_ITEMS.items():
         value = obj.get(key)
-        if value is not None and not (isinstance(value, list) and all(isinstance(v, (str, int)) for v in value)):
+        if value is not None and not (isinstance(value, list) and all(map(valid, value))):
             raise ValueError(f'"{key}" must be a list of strings')
+        if value == [] and key != "answers":  # an empty list would silently mean "retrieve"
+            raise ValueError(f'"{key}" is empty; leave it out to retrieve the top --top-k chunks')
         lists[key] = [str(v) for v in value] if value is not None else None
-    return Query(str(qid), question, n, **lists)
+    return Query(qid, question, n, **lists)
 
 
 def resolve_chunks(store: Store, q: Query, retriever, top_k: int) -> list[ChunkInfo]:

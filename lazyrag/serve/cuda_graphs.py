@@ -28,8 +28,8 @@ def batch_buckets(max_batch: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, model, pool: PagePool, inv_freq: torch.Tensor, sm_scale: float, lazy: bool,
-                 max_batch: int, max_pages: int, pad_slot: int):
-        self.pool, self.max_pages, self.pad_slot = pool, max_pages, pad_slot
+                 max_batch: int, max_pages: int, pad_slot: int, ape: tuple[float, float] = (1.0, 1.0)):
+        self.pool, self.max_pages, self.pad_slot, self.ape = pool, max_pages, pad_slot, ape
         self.device = pool.kv.device
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, StepLayout, torch.Tensor]] = {}
         mempool = torch.cuda.graph_pool_handle()
@@ -40,14 +40,14 @@ class DecodeGraphs:
     def _capture(self, model, inv_freq, sm_scale, lazy, bs, mempool):
         layout = StepLayout(bs, self.max_pages, bs)
         buf = torch.zeros(layout.size, dtype=torch.int32, device=self.device)
-        _, _, _, cu, _, _, _, slots = layout.views(buf)
-        cu.copy_(torch.arange(bs + 1, dtype=torch.int32))
-        slots.fill_(self.pad_slot)  # every count is 0: a padding step, safe to run
+        views = layout.views(buf)
+        views.cu.copy_(torch.arange(bs + 1, dtype=torch.int32))
+        views.slots.fill_(self.pad_slot)  # every count is 0: a padding step, safe to run
         step = StepInputs.on(buf, layout)
 
         def forward():
             return model.logits(model(step.tokens, step.positions, PagedAttention(self.pool, step, inv_freq,
-                                                                                   sm_scale, lazy)))
+                                                                                   sm_scale, lazy, self.ape)))
 
         # run once outside the capture: Triton compiles, cuBLAS picks its kernels
         side = torch.cuda.Stream(self.device)

@@ -14,6 +14,7 @@ from typing import Callable, Iterable, Iterator
 
 import torch
 
+from lazyrag import kernels
 from lazyrag.config import Mode
 from lazyrag.eval.fidelity import mean_logprob
 from lazyrag.models import LoadedModel
@@ -32,14 +33,24 @@ from lazyrag.store import Store
 class Engine:
     def __init__(self, loaded: LoadedModel, store: Store, mode: Mode | str, cache_bytes: float, batch_size: int,
                  sampling: Sampling = Sampling(), host_cache_bytes: float = 0, stop_at_eos: bool = True,
-                 cuda_graphs: bool = True, recompute: Recompute = Recompute()):
+                 cuda_graphs: bool = True, recompute: Recompute = Recompute(),
+                 ape: tuple[float, float] = (1.0, 1.0)):
+        """ape: APE's (temperature, scale) on the attention from each request's own tokens to
+        its chunk pages, lazy and block only; (1, 1) is off."""
         mode_class = select_mode(mode)
+        kernels.check_ape(*ape)
+        if Mode(mode) is Mode.FULL and kernels.ape_enabled(*ape):
+            raise ValueError("APE's temperature and scale apply to lazy and block only: in full the chunks are "
+                             "the request's own tokens")
+        if recompute.needs_scores and recompute.layer >= loaded.cfg.num_layers:
+            raise ValueError(f"--recompute-layer {recompute.layer} is past the model's last layer "
+                             f"({loaded.cfg.num_layers - 1})")
         s = store.settings
         self.batch_size, self.device = batch_size, loaded.device
         self.pool = PagePool.for_bytes(cache_bytes, s.num_layers, s.num_kv_heads, s.head_dim, s.page_size,
                                        loaded.dtype, loaded.device)
         self.cache = ChunkCache(self.pool, ChunkLoader(store, self.pool, host_cache_bytes))
-        self.runner = Runner(loaded, self.pool, mode_class.rotate_queries)
+        self.runner = Runner(loaded, self.pool, mode_class.rotate_queries, ape)
         self.mode = mode_class(s.preamble_ids, s.page_size, self.runner.rotate_copy, recompute)
         self.sampler = Sampler(sampling, self.device)
         self.stop_ids = loaded.eos_ids if stop_at_eos else set()  # benchmarks fix the answer length
@@ -55,6 +66,8 @@ class Engine:
         hits and misses."""
         scheduler = Scheduler(self.mode, self.cache, self.batch_size, (Sequence(r) for r in requests), lookahead)
         while (step := scheduler.schedule()) is not None:
+            if step.prefill:
+                self._choose_recompute(step.batch)
             logits = self.runner.prefill(step.batch) if step.prefill else self.runner.decode(step.batch)
             next_ids = self.sampler.sample(logits).tolist()  # one sync per step
             now = time.perf_counter()
@@ -81,9 +94,17 @@ class Engine:
         done = 0
         while (step := scheduler.schedule()) is not None:  # each batch is finished once scored: all prefill
             n = len(step.batch)
+            self._choose_recompute(step.batch)
             yield from self.runner.teacher_forced_logits(step.batch, continuations[done: done + n])
             done += n
             scheduler.finish(step.batch)
+
+    def _choose_recompute(self, batch: list[Sequence]) -> None:
+        """For the `attention` policy: rank each admitted request's chunk pages by the attention
+        its prompt pays them, in a pass over the first layers, then assign its recompute."""
+        if self.mode.recompute.needs_scores:
+            for seq, mass in zip(batch, self.runner.row_attention(batch, self.mode.recompute.layer)):
+                self.mode.assign_recompute(seq.request, seq.placement, mass)
 
     def close(self) -> None:
         self.cache.close()

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Callable, ClassVar
 
 import numpy as np
+import torch
 
 from lazyrag.config import Mode
 from lazyrag.serve.cache import ChunkCache, Resident
@@ -48,6 +49,7 @@ class ServingMode:
     at logical position `pos` of a prompt is shifted by pos - P."""
 
     rotate_queries: ClassVar[bool] = False  # the kernels rotate each query per page by its delta
+    shares_chunks: ClassVar[bool] = False   # requests read the cached chunk pages in place
 
     def __init__(self, preamble_ids: list[int], page_size: int, rotate_copy: RotateCopy,
                  recompute: Recompute = Recompute()):
@@ -96,27 +98,45 @@ class ServingMode:
         return Feed(self.preamble, 0, 0, 0, self.preamble_ids)
 
     def place(self, seq: Sequence, cache: ChunkCache) -> Placement:
-        """Pin or copy the request's chunks and give it pages for its own tokens."""
+        """Pin or copy the request's chunks and give it pages for its own tokens (and for the
+        chunk pages it will recompute)."""
         ps = self.page_size
         chunks = self.cached_chunks(seq.request)
         pins = self._pin(seq, chunks, cache)
         chunk_rows, copies = self._chunk_rows(chunks, pins, cache)
-        recompute = self._recompute(chunks, chunk_rows, cache)
+        spare = cache.alloc(self.recomputed_pages(seq.request))
         own_start = self.own_start(seq.request)
         own_pages = cache.alloc(pages_for(self.own_tokens(seq), ps))
         own = page_rows(own_pages, own_start, len(own_pages) * ps, 0, ps)  # whole pages: see paged.Feed
         context = [self.preamble, *chunk_rows]
-        first_row = np.cumsum([len(r) for r in context]) - [len(r) for r in context]
-        jobs = [(int(first_row[1 + c] + p), tokens) for (c, p), tokens in recompute]
-        private = [p for c in copies for p in c.dst] + self._recompute_pages(chunk_rows, recompute)
         placement = Placement(np.concatenate(context + [own]), sum(map(len, context)), own_start,
-                              self.prompt_ids(seq.request), pins, own_pages, private, jobs, len(self.preamble))
+                              self.prompt_ids(seq.request), pins, own_pages,
+                              [p for c in copies for p in c.dst] + spare, n_preamble=len(self.preamble),
+                              chunk_rows=[len(r) for r in chunk_rows], spare=spare)
         if copies:
             self.rotate_copy(copies)
             for entry in pins:  # the copy is all the request needs now
                 cache.release(entry)
             placement.pins = []
+        if self.recompute.fraction and not self.recompute.needs_scores:
+            self.assign_recompute(seq.request, placement)
         return placement
+
+    def assign_recompute(self, request: Request, p: Placement, row_mass: torch.Tensor | None = None) -> None:
+        """Choose the chunk pages the placed request recomputes (row_mass: the attention its
+        question pays each of its rows, for the `attention` policy) and point each chosen row
+        at a page of its own where the mode shares the chunk."""
+        ps = self.page_size
+        first = np.cumsum([p.n_preamble] + p.chunk_rows)
+        scores = None if row_mass is None else [row_mass[a: a + n] for a, n in zip(first, p.chunk_rows)]
+        for c, q in choose(self.recompute, p.chunk_rows, scores):
+            row = int(first[c] + q)
+            if self.shares_chunks:
+                # the shared page stays as it is for every other request: this one reads a private
+                # page in its place, with the same start and delta (keys at the same stored positions)
+                p.rows[row, PAGE] = p.spare.pop()
+            chunk = request.chunks[c]
+            p.recompute.append((row, list(chunk.token_ids[q * ps: q * ps + int(p.rows[row, LENGTH])])))
 
     def own_start(self, request: Request) -> int:
         """Logical position of the request's first own token: after the preamble and its chunks."""
@@ -137,31 +157,19 @@ class ServingMode:
         """Page rows of each chunk in prompt order, and the copies they need made."""
         raise NotImplementedError
 
-    def _recompute(self, chunks: list[ChunkInfo], chunk_rows: list[np.ndarray],
-                   cache: ChunkCache) -> list[tuple[tuple[int, int], list[int]]]:
-        """The (chunk, page) pairs to recompute, in prompt order, with each page's tokens; the
-        rows of a page that needs a page of its own are pointed at a fresh one."""
-        if not self.recompute.fraction or not chunks:
-            return []
-        chosen = choose(self.recompute.fraction, [len(r) for r in chunk_rows])
-        ps = self.page_size
-        return [((c, p), list(chunks[c].token_ids[p * ps: p * ps + int(chunk_rows[c][p, LENGTH])]))
-                for c, p in chosen]
-
-    def _recompute_pages(self, chunk_rows: list[np.ndarray], recompute) -> list[int]:
-        """Private pages that recomputed chunk pages were given (none where they are private already)."""
-        return []
-
 
 class Lazy(ServingMode):
     """Chunks read in place from their shared pages, shifted by the kernels."""
 
     rotate_queries = True
+    shares_chunks = True
 
     def recomputed_pages(self, request: Request) -> int:
         if not self.recompute.fraction:
             return 0
-        return pages_to_recompute(self.recompute.fraction, [pages_for(c.length, self.page_size) for c in request.chunks])
+        pages = [pages_for(c.length, self.page_size) for c in request.chunks]
+        return pages_to_recompute(self.recompute.fraction, pages)
+
 
     def _chunk_rows(self, chunks, pins, cache):
         rows, pos = [], self.P
@@ -169,19 +177,6 @@ class Lazy(ServingMode):
             rows.append(page_rows(entry.pages, self.P, info.length, pos - self.P, self.page_size))
             pos += info.length
         return rows, []
-
-    def _recompute(self, chunks, chunk_rows, cache):
-        # the shared page stays as it is for every other request: this one reads a private
-        # page in its place, with the same start and delta (keys at the same stored positions)
-        chosen = super()._recompute(chunks, chunk_rows, cache)
-        if chosen:
-            fresh = cache.alloc(len(chosen))
-            for ((c, p), _), page in zip(chosen, fresh):
-                chunk_rows[c][p, PAGE] = page
-        return chosen
-
-    def _recompute_pages(self, chunk_rows, recompute):
-        return [int(chunk_rows[c][p, PAGE]) for (c, p), _ in recompute]
 
 
 class Block(ServingMode):

@@ -19,6 +19,7 @@ at their logical positions (`block`, `full`).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -125,12 +126,16 @@ class Feed:
     tokens (prompt and answer), which start at logical position own_start. Own rows may
     claim whole pages: slots past the tokens fed so far sit at later positions, which the
     causal rule hides, so one array serves every step of the request.
+    ape_rows: the rows [lo, hi) that take APE's temperature and scale (kernels.PageTable):
+    the chunk pages, when the tokens fed are the request's own; none where they are not (the
+    preamble, a recomputed chunk page).
     """
     rows: np.ndarray
     n_context: int
     own_start: int
     first: int
     tokens: list[int]
+    ape_rows: tuple[int, int] = (0, 0)
 
 
 ALIGN = 4  # int32s: every field starts 16-byte aligned
@@ -140,12 +145,26 @@ def _aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
+class StepViews(NamedTuple):
+    """The fields of a packed step, as views of its buffer (StepLayout.views)."""
+    table: Any          # [4, batch, width]: PAGE, DELTA, START, LENGTH planes
+    tail: Any           # everything after the table, in one piece
+    count: Any          # [batch] page rows per request
+    cu: Any             # [batch + 1] cu_seqlens
+    ape_lo: Any         # [batch] each request's APE row range (Feed.ape_rows)
+    ape_hi: Any
+    tokens: Any         # [tokens]
+    positions: Any
+    key_positions: Any
+    slots: Any
+
+
 @dataclass(frozen=True)
 class StepLayout:
     """Where each input of a step sits in one flat int32 buffer, so the host packs them all
     and they reach the GPU in one copy: the page table [4, batch, width] (PAGE, DELTA,
     START, LENGTH planes; rows `row` apart), then count [batch], cu_seqlens [batch + 1],
-    tokens, positions, key positions and slots [tokens].
+    ape_lo and ape_hi [batch], tokens, positions, key positions and slots [tokens].
 
     Every field and table row starts 16-byte aligned: Triton compiles a kernel variant per
     pointer alignment, and fields whose alignment followed the batch size and width compiled
@@ -163,18 +182,19 @@ class StepLayout:
         return 4 * self.batch * self.row
 
     @property
-    def size(self) -> int:
+    def tail_sizes(self) -> tuple[int, ...]:
         B, T = self.batch, self.tokens
-        return self.table_size + sum(_aligned(n) for n in (B, B + 1, T, T, T, T))
+        return B, B + 1, B, B, T, T, T, T
 
-    def views(self, buf):
-        """(table [4, batch, width], tail, count, cu, tokens, positions, key_positions, slots)
-        views of buf."""
-        B, T = self.batch, self.tokens
-        table = buf[: self.table_size].reshape(4, B, self.row)[:, :, : self.width]
+    @property
+    def size(self) -> int:
+        return self.table_size + sum(_aligned(n) for n in self.tail_sizes)
+
+    def views(self, buf) -> StepViews:
+        """The step's fields as views of buf."""
+        table = buf[: self.table_size].reshape(4, self.batch, self.row)[:, :, : self.width]
         tail = buf[self.table_size: self.size]
-        count, cu, tokens, positions, key_positions, slots = (tail[a:b] for a, b in _spans((B, B + 1, T, T, T, T)))
-        return table, tail, count, cu, tokens, positions, key_positions, slots
+        return StepViews(table, tail, *(tail[a:b] for a, b in _spans(self.tail_sizes)))
 
 
 def _spans(sizes):
@@ -194,9 +214,9 @@ def pack_step(feeds: list[Feed], page_size: int, batch: int | None = None, pad_s
     T = sum(len(f.tokens) for f in feeds) + (B - len(feeds))
     layout = StepLayout(B, max(counts, default=0), T)
     host = torch.empty(layout.size, dtype=torch.int32, pin_memory=pin)
-    table, _, count, cu, tokens, positions, key_positions, slots = layout.views(host.numpy())
+    table, _, count, cu, ape_lo, ape_hi, tokens, positions, key_positions, slots = layout.views(host.numpy())
     table[:] = 0
-    count[:] = 0
+    count[:], ape_lo[:], ape_hi[:] = 0, 0, 0
     count[: len(feeds)] = counts
     cu[0] = 0
     cu[1:] = np.arange(1, B + 1) + (T - B)
@@ -204,6 +224,7 @@ def pack_step(feeds: list[Feed], page_size: int, batch: int | None = None, pad_s
     t = 0
     for b, (f, n) in enumerate(zip(feeds, counts)):
         table[:, b, :n] = f.rows[:n].T
+        ape_lo[b], ape_hi[b] = f.ape_rows
         k = len(f.tokens)
         own = f.first + np.arange(k)
         tokens[t: t + k] = f.tokens
@@ -219,10 +240,9 @@ def pack_step(feeds: list[Feed], page_size: int, batch: int | None = None, pad_s
 def copy_step(src: torch.Tensor, src_layout: StepLayout, dst: torch.Tensor, dst_layout: StepLayout) -> None:
     """Copy a packed step into a buffer whose page table is at least as wide (same batch and
     tokens): how a CUDA graph's fixed-width buffer takes each step."""
-    src_table, src_tail = src_layout.views(src)[:2]
-    table, tail = dst_layout.views(dst)[:2]
-    table[:, :, : src_layout.width].copy_(src_table)  # entries past a request's count are never read
-    tail.copy_(src_tail)
+    src_views, views = src_layout.views(src), dst_layout.views(dst)
+    views.table[:, :, : src_layout.width].copy_(src_views.table)  # entries past a request's count are never read
+    views.tail.copy_(src_views.tail)
 
 
 @dataclass
@@ -239,10 +259,10 @@ class StepInputs:
 
     @classmethod
     def on(cls, buf: torch.Tensor, layout: StepLayout) -> "StepInputs":
-        table, _, count, cu, tokens, positions, key_positions, slots = layout.views(buf)
-        ids, delta, start, length = table.unbind(0)
-        return cls(tokens, positions, key_positions, slots, cu, kernels.PageTable(ids, delta, start, length, count),
-                   decode=layout.tokens == layout.batch)
+        v = layout.views(buf)
+        ids, delta, start, length = v.table.unbind(0)
+        pages = kernels.PageTable(ids, delta, start, length, v.count, v.ape_lo, v.ape_hi)
+        return cls(v.tokens, v.positions, v.key_positions, v.slots, v.cu, pages, decode=layout.tokens == layout.batch)
 
     @classmethod
     def upload(cls, feeds: list[Feed], page_size: int, device: torch.device) -> "StepInputs":
@@ -256,12 +276,15 @@ class PagedAttention:
     """The attention of one forward step over the pool (see the module docstring).
 
     lazy: rotate queries per page in the kernel; otherwise rotate them once at their
-    logical positions (the keys already sit at theirs).
+    logical positions (the keys already sit at theirs). ape: APE's (temperature, scale) on
+    each request's APE rows (Feed.ape_rows); (1, 1) is off.
     """
 
-    def __init__(self, pool: PagePool, step: StepInputs, inv_freq: torch.Tensor, sm_scale: float, lazy: bool):
+    def __init__(self, pool: PagePool, step: StepInputs, inv_freq: torch.Tensor, sm_scale: float, lazy: bool,
+                 ape: tuple[float, float] = (1.0, 1.0)):
         self.pool, self.step = pool, step
         self.inv_freq, self.sm_scale, self.lazy = inv_freq, sm_scale, lazy
+        self.ape_temperature, self.ape_scale = ape
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         st = self.step
@@ -271,7 +294,9 @@ class PagedAttention:
         if not self.lazy:  # keys sit at logical positions: rotate q once, like any engine
             q = rotate(q, st.positions, self.inv_freq)
         if st.decode:
-            return kernels.lazy_decode(q, k_pages, v_pages, st.pages, st.positions, self.inv_freq,
-                                       self.sm_scale, rotate=self.lazy)
-        return kernels.lazy_prefill(q, k_pages, v_pages, st.pages, st.cu_seqlens, st.positions,
-                                    self.inv_freq, self.sm_scale, rotate=self.lazy)
+            return kernels.lazy_decode(q, k_pages, v_pages, st.pages, st.positions, self.inv_freq, self.sm_scale,
+                                       rotate=self.lazy, ape_temperature=self.ape_temperature,
+                                       ape_scale=self.ape_scale)
+        return kernels.lazy_prefill(q, k_pages, v_pages, st.pages, st.cu_seqlens, st.positions, self.inv_freq,
+                                    self.sm_scale, rotate=self.lazy, ape_temperature=self.ape_temperature,
+                                    ape_scale=self.ape_scale)

@@ -6,16 +6,25 @@ a page for one request (every layer, attending to everything before it in that p
 that page the KV `full` would have, in a request-private page; the shared page stays as it is
 for everyone else. The first chunk needs none: it already follows only the preamble.
 
-The candidates are every page of every chunk after the first, taken in `head` order: page 0
-of each chunk, then page 1, and so on, since a chunk's first tokens are the ones that lack an
-attention sink and context most (EPIC, MEPIC). Other policies (the question's attention per page, CacheBlend's KV
-deviation) would rank the same candidates differently.
+The candidates are every page of every chunk after the first. Policies rank them:
+  head       page 0 of each chunk, then page 1, and so on: a chunk's first tokens are the ones
+             that lack an attention sink and context most (EPIC, MEPIC).
+  attention  by the attention the question's tokens pay each page at one layer, measured in a
+             first pass over that many layers (InfoFlow-style): recompute where the question looks.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from enum import Enum
+
+import torch
+
+
+class Policy(str, Enum):
+    HEAD = "head"
+    ATTENTION = "attention"
 
 
 @dataclass(frozen=True)
@@ -24,6 +33,18 @@ class Recompute:
     first chunk (which reproduces `full`)."""
 
     fraction: float = 0.0
+    policy: Policy = Policy.HEAD
+    layer: int = 2  # the layer whose attention ranks pages (policy `attention`)
+
+    def __post_init__(self):
+        object.__setattr__(self, "policy", Policy(self.policy))
+        pages_to_recompute(self.fraction, [])  # range check
+        if self.layer < 0:
+            raise ValueError(f"the recompute layer must be >= 0, got {self.layer}")
+
+    @property
+    def needs_scores(self) -> bool:
+        return self.fraction > 0 and self.policy is Policy.ATTENTION
 
 
 def pages_to_recompute(fraction: float, chunk_pages: list[int]) -> int:
@@ -39,6 +60,13 @@ def head_order(chunk_pages: list[int]) -> list[tuple[int, int]]:
     return [(c, p) for p in range(longest) for c in range(1, len(chunk_pages)) if p < chunk_pages[c]]
 
 
-def choose(fraction: float, chunk_pages: list[int]) -> list[tuple[int, int]]:
-    """The (chunk, page) pairs to recompute, in prompt order (a page attends to those before it)."""
-    return sorted(head_order(chunk_pages)[: pages_to_recompute(fraction, chunk_pages)])
+def choose(recompute: Recompute, chunk_pages: list[int],
+           page_scores: list[torch.Tensor] | None = None) -> list[tuple[int, int]]:
+    """The (chunk, page) pairs to recompute, in prompt order (a page attends to those before it).
+    page_scores[c][p]: the attention mass of page p of chunk c (policy `attention`)."""
+    candidates = head_order(chunk_pages)
+    if recompute.policy is Policy.ATTENTION:
+        if page_scores is None:
+            raise ValueError("the attention policy needs the question's attention per page")
+        candidates.sort(key=lambda cp: -float(page_scores[cp[0]][cp[1]]))  # stable: ties keep head order
+    return sorted(candidates[: pages_to_recompute(recompute.fraction, chunk_pages)])

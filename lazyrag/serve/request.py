@@ -39,6 +39,8 @@ class Placement:
     private_pages: list[int] = field(default_factory=list)  # only it reads them: block's copies, recomputed pages
     recompute: list[tuple[int, list[int]]] = field(default_factory=list)  # (row, chunk tokens) to recompute
     n_preamble: int = 0                               # rows of the shared preamble (context rows before the chunks)
+    chunk_rows: list[int] = field(default_factory=list)  # rows of each chunk, in prompt order, after the preamble's
+    spare: list[int] = field(default_factory=list)       # private pages not yet given a recomputed chunk page
 
     def release(self, cache: ChunkCache) -> None:
         for entry in self.pins:
@@ -99,9 +101,10 @@ class Sequence:
         return self.finished_at is not None
 
     def feed(self, tokens: list[int]) -> Feed:
-        """The step input that feeds `tokens` after the own tokens already in the pool."""
+        """The step input that feeds `tokens` after the own tokens already in the pool; its
+        chunk rows (after the preamble's, before its own) are its APE rows."""
         p = self.placement
-        return Feed(p.rows, p.n_context, p.own_start, self.fed, tokens)
+        return Feed(p.rows, p.n_context, p.own_start, self.fed, tokens, ape_rows=(p.n_preamble, p.n_context))
 
     def accept(self, token: int, now: float, stop_ids: set[int]) -> None:
         """Take the token sampled for it; a stop token ends the answer without joining it."""

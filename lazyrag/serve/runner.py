@@ -13,7 +13,7 @@ from lazyrag import kernels
 from lazyrag.models import LoadedModel
 from lazyrag.serve.cuda_graphs import DecodeGraphs
 from lazyrag.serve.modes import ChunkCopy
-from lazyrag.serve.paged import DELTA, START, Feed, PagedAttention, PagePool, StepInputs
+from lazyrag.serve.paged import DELTA, LENGTH, PAGE, START, Feed, PagedAttention, PagePool, StepInputs, pages_for
 from lazyrag.serve.request import Sequence
 
 
@@ -31,9 +31,50 @@ def prompt_feeds(seq: Sequence, tokens: list[int]) -> list[Feed]:
     return [recompute_feed(p.rows, row, chunk) for row, chunk in p.recompute] + [seq.feed(tokens)]
 
 
+class AttentionProbe:
+    """Attention that measures, at one layer, the weight each feed's tokens give each of its page
+    rows (in plain PyTorch, from the pool), then stops the forward pass."""
+
+    class Done(Exception):
+        pass
+
+    def __init__(self, attention: PagedAttention, feeds: list[Feed], layer: int):
+        self.attention, self.feeds, self.layer = attention, feeds, layer
+        self.mass: list[torch.Tensor] = []
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        out = self.attention(layer, q, k, v)  # writes this step's K/V into the pool
+        if layer < self.layer:
+            return out
+        at = self.attention
+        k_pages = at.pool.layer(layer)[0]
+        ps = k_pages.shape[1]
+        cu = at.step.cu_seqlens.tolist()
+        for b, f in enumerate(self.feeds):
+            rows = torch.as_tensor(f.rows[: f.n_context + pages_for(f.first + len(f.tokens), ps)], device=q.device)
+            j = torch.arange(ps, device=q.device)
+            keys = k_pages[rows[:, PAGE]].flatten(0, 1).float()                        # [n * ps, Hkv, D]
+            delta = rows[:, DELTA, None].expand(-1, ps).flatten()
+            key_pos = (rows[:, START, None] + rows[:, DELTA, None] + j).flatten()
+            valid = (j < rows[:, LENGTH, None]).flatten()
+            keys = kernels.rope(keys, delta, at.inv_freq)  # moved from their stored to their logical positions
+            qb, qpos = q[cu[b]: cu[b + 1]].float(), at.step.positions[cu[b]: cu[b + 1]]
+            qb = kernels.rope(qb, qpos, at.inv_freq)
+            group = qb.shape[1] // keys.shape[1]
+            scores = torch.einsum("thd,nhd->htn", qb, keys.repeat_interleave(group, 1)) * at.sm_scale
+            hidden = ~valid[None, None, :] | (key_pos[None, None, :] > qpos[None, :, None])
+            weights = torch.softmax(scores.masked_fill(hidden, float("-inf")), -1).sum((0, 1))
+            self.mass.append(weights.view(len(rows), ps).sum(1).cpu())
+        raise self.Done
+
+
 class Runner:
-    def __init__(self, loaded: LoadedModel, pool: PagePool, rotate_queries: bool):
-        self.model, self.pool, self.rotate_queries = loaded.model, pool, rotate_queries
+    """ape: APE's (temperature, scale) on the attention from each request's own tokens to its
+    chunk pages (Feed.ape_rows); (1, 1) is off."""
+
+    def __init__(self, loaded: LoadedModel, pool: PagePool, rotate_queries: bool,
+                 ape: tuple[float, float] = (1.0, 1.0)):
+        self.model, self.pool, self.rotate_queries, self.ape = loaded.model, pool, rotate_queries, ape
         self.device = loaded.device
         self.max_positions = loaded.cfg.max_position_embeddings
         self.sm_scale = loaded.cfg.head_dim ** -0.5
@@ -44,7 +85,7 @@ class Runner:
         """Capture the decode step of each batch-size bucket; padding rows write to `pad_page`."""
         max_pages = min(self.pool.num_pages, self.pool.pages_for(self.max_positions))
         self.graphs = DecodeGraphs(self.model, self.pool, self.model.inv_freq, self.sm_scale, self.rotate_queries,
-                                   batch_size, max_pages, pad_page * self.pool.page_size)
+                                   batch_size, max_pages, pad_page * self.pool.page_size, self.ape)
 
     def forward(self, feeds: list[Feed], select: torch.Tensor | None = None,
                 rotate_queries: bool | None = None) -> torch.Tensor:
@@ -52,7 +93,7 @@ class Runner:
         indices in `select`. rotate_queries: the mode's unless given."""
         rotate = self.rotate_queries if rotate_queries is None else rotate_queries
         step = StepInputs.upload(feeds, self.pool.page_size, self.device)
-        attention = PagedAttention(self.pool, step, self.model.inv_freq, self.sm_scale, rotate)
+        attention = PagedAttention(self.pool, step, self.model.inv_freq, self.sm_scale, rotate, self.ape)
         hidden = self.model(step.tokens, step.positions, attention, key_positions=step.key_positions)
         rows = step.cu_seqlens[1:] - 1 if select is None else select.to(self.device)
         return self.model.logits(hidden[rows])[:, : self.vocab]
@@ -96,6 +137,20 @@ class Runner:
             select.append(torch.arange(end - len(cont) - 1, end - 1))
         logits = self.forward(feeds, select=torch.cat(select))
         return list(logits.float().cpu().split([len(c) for c in continuations]))
+
+    def row_attention(self, seqs: list[Sequence], layer: int) -> list[torch.Tensor]:
+        """Per placed sequence, the attention its prompt's tokens pay each of its page rows at
+        `layer` (softmax weight summed over heads and tokens; fp32 [rows]). Runs the prompt
+        through layers 0..layer only; its K/V there are written again by the real prefill."""
+        feeds = [s.feed(s.placement.prompt_ids) for s in seqs]
+        step = StepInputs.upload(feeds, self.pool.page_size, self.device)
+        probe = AttentionProbe(PagedAttention(self.pool, step, self.model.inv_freq, self.sm_scale,
+                                              self.rotate_queries, self.ape), feeds, layer)
+        try:
+            self.model(step.tokens, step.positions, probe, key_positions=step.key_positions)
+        except AttentionProbe.Done:
+            pass
+        return probe.mass
 
     def rotate_copy(self, copies: list[ChunkCopy]) -> None:
         """Every layer's pages of every chunk in one fused launch."""

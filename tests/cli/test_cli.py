@@ -76,7 +76,7 @@ def test_answer_reports_bad_lines_and_unknown_docs_and_answers_the_rest(demo_sto
     assert res.exit_code == 0, res.output
     assert f"{queries}:2" in res.stderr and "no-such-doc" in res.stderr
     rows = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
-    assert set(rows) == {"ok1", "ok2", "missing"} and "error" in rows["missing"]
+    assert set(rows) == {"ok1", "ok2"}  # the failed query is in a.errors.jsonl, retried next run
     for rid in ("ok1", "ok2"):
         row = rows[rid]
         for key in ("answer", "chunks", "ttft_ms", "latency_ms", "new_tokens", "cache"):
@@ -87,7 +87,7 @@ def test_answer_reports_bad_lines_and_unknown_docs_and_answers_the_rest(demo_sto
     assert summary["queries"] == 2 and summary["cache"]["lookups"] == sum(len(rows[i]["chunks"]) for i in ("ok1", "ok2"))
 
     again = cli("answer", queries, "--store", demo_store, "--out", out, "--device", "cpu", "--json")
-    assert json.loads(again.stdout)["skipped_already_answered"] == 3
+    assert json.loads(again.stdout)["skipped_already_answered"] == 2
 
     stats = cli("stats", "--store", demo_store, "--json")
     data = json.loads(stats.stdout)
@@ -204,3 +204,15 @@ def test_audit_of_lazy_on_single_chunk_prompts_matches_full(demo_store, tmp_path
     audit, _ = answer_with_audit(demo_store, queries, tmp_path / "a.jsonl", "--audit", 10, "--json")
     assert audit["queries"] == 4  # every answered query, when fewer than asked
     assert audit["kl_mean"] < 1e-6 and audit["identical"] == 1.0 and audit["top1_agreement"] == 1.0
+
+
+def test_ape_is_recorded_and_audited_against_plain_full_and_refused_in_full(demo_store, tmp_path):
+    queries = demo_queries(tmp_path, 2)
+    audit, _ = answer_with_audit(demo_store, queries, tmp_path / "a.jsonl", "--ape-temperature", 0.8,
+                                 "--ape-scale", 1.5, "--audit", 2)
+    assert audit["queries"] == 2
+    settings = json.loads(cli("stats", "--store", demo_store, "--json").stdout)["runs"][-1]["settings"]
+    assert (settings["ape_temperature"], settings["ape_scale"]) == (0.8, 1.5)
+    res = cli("answer", queries, "--store", demo_store, "--out", tmp_path / "f.jsonl", "--device", "cpu",
+              "--mode", "full", "--ape-temperature", 0.8)
+    assert res.exit_code == 1 and "lazy and block only" in res.output

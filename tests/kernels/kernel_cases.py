@@ -37,13 +37,14 @@ def rope64(x, pos, inv_freq):
 
 def make_case(seed, *, H=4, Hkv=2, D=64, PS=16, dtype=torch.float32, device="cpu", n_req=3,
               chunk_lens=(37, 16, 50), preamble=0, q_lens=None, base_offsets=None, plan=None,
-              random_qpos=False, spare_pages=3):
+              random_qpos=False, spare_pages=3, ape_runs=None):
     """Random paged-KV case.
 
     Chunks are encoded position-free at stored positions preamble..preamble+L-1 (keys stored
     rotated there). Request ``r`` reads chunks ``plan[r]`` (indices, repeats allowed) laid out
     back to back from logical ``base_offsets[r]``, then its own ``q_lens[r]`` new tokens (own
-    pages, delta 0), whose positions are the queries' positions.
+    pages, delta 0), whose positions are the queries' positions. ``ape_runs``: per request,
+    the (ape_lo, ape_hi) entry range of the page table.
     """
     g = torch.Generator().manual_seed(seed)
     if plan is None:
@@ -109,18 +110,19 @@ def make_case(seed, *, H=4, Hkv=2, D=64, PS=16, dtype=torch.float32, device="cpu
     q = torch.randn(total, H, D, generator=g, dtype=torch.float64)
     cu = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32)
     q_pos = torch.cat(qpos_all).to(torch.int32)
-    pt = PageTable(ids, delta, start, length, count).to(device)
+    ape = () if ape_runs is None else tuple(torch.tensor(r, dtype=torch.int32) for r in zip(*ape_runs))
+    pt = PageTable(ids, delta, start, length, count, *ape).to(device)
     return Case(q.to(dtype).to(device), k.to(dtype).to(device), v.to(dtype).to(device), pt, cu.to(device),
                 q_pos.to(device), inv_freq.to(device), 1.0 / math.sqrt(D), list(q_lens))
 
 
-def gpu_case(seed, H, Hkv, D, PS, n_req, q_len, chunk_len, n_chunks, base=0):
+def gpu_case(seed, H, Hkv, D, PS, n_req, q_len, chunk_len, n_chunks, base=0, ape_runs=None):
     """Realistic sizes: n_chunks chunks of chunk_len shared across requests in different orders (fp32, CPU)."""
     g = torch.Generator().manual_seed(seed)
     plan = [torch.randperm(n_chunks, generator=g).tolist() for _ in range(n_req)]
     return make_case(seed, H=H, Hkv=Hkv, D=D, PS=PS, dtype=torch.float32, chunk_lens=[chunk_len] * n_chunks,
                      plan=plan, q_lens=[q_len] * n_req, base_offsets=[base + 1000 * r for r in range(n_req)],
-                     preamble=7, spare_pages=0)
+                     preamble=7, spare_pages=0, ape_runs=ape_runs)
 
 
 def to_cuda(c: Case, dtype) -> Case:
@@ -128,8 +130,10 @@ def to_cuda(c: Case, dtype) -> Case:
                 c.cu.cuda(), c.q_pos.cuda(), c.inv_freq.cuda(), c.sm_scale, c.lens)
 
 
-def direct64(c: Case, rotate=True):
-    """Dense float64 attention: keys explicitly rotated to their logical positions, explicit mask."""
+def direct64(c: Case, rotate=True, ape_temperature=1.0, ape_scale=1.0):
+    """Dense float64 attention: keys explicitly rotated to their logical positions, explicit mask;
+    the logits of the page table's APE entries (ape_lo <= entry < ape_hi) are
+    (q . k) * sm_scale / ape_temperature + ln(ape_scale)."""
     PS, Hkv, D = c.k_pages.shape[1:]
     H = c.q.shape[1]
     G = H // Hkv
@@ -139,8 +143,9 @@ def direct64(c: Case, rotate=True):
     pt = c.pages.to("cpu")
     cu = c.cu.cpu().tolist()
     for b in range(len(cu) - 1):
-        keys, vals, kpos = [], [], []
+        keys, vals, kpos, factor, bias = [], [], [], [], []
         for e in range(int(pt.count[b])):
+            in_ape = pt.has_ape and int(pt.ape_lo[b]) <= e < int(pt.ape_hi[b])
             p, d, st, ln = (int(pt.ids[b, e]), int(pt.delta[b, e]), int(pt.start[b, e]), int(pt.length[b, e]))
             for j in range(ln):
                 kk = kp[p, j]  # [Hkv, D], rotated at stored position st+j
@@ -150,6 +155,8 @@ def direct64(c: Case, rotate=True):
                 keys.append(kk)
                 vals.append(vp[p, j])
                 kpos.append(st + d + j)
+                factor.append(1 / ape_temperature if in_ape else 1.0)
+                bias.append(math.log(ape_scale) if in_ape else 0.0)
         for t in range(cu[b], cu[b + 1]):
             m = int(c.q_pos[t])
             qt = c.q[t].cpu().double()
@@ -163,7 +170,8 @@ def direct64(c: Case, rotate=True):
             if not mask.any():
                 continue
             for h in range(H):
-                sc = (K[:, h // G] @ qt[h]) * c.sm_scale
+                sc = (K[:, h // G] @ qt[h]) * c.sm_scale * torch.tensor(factor, dtype=torch.float64)
+                sc = sc + torch.tensor(bias, dtype=torch.float64)
                 sc = sc.masked_fill(~mask, float("-inf"))
                 out[t, h] = torch.softmax(sc, 0) @ V[:, h // G]
     return out

@@ -49,6 +49,37 @@ def test_gpu_prefill_decode(monkeypatch, dtype, H, Hkv, D, PS):
             assert rel_err(got, want) < tol(dtype), (cfg, rotate, rel_err(got, want))
 
 
+@pytest.mark.parametrize("dtype,H,Hkv,D,PS", GPU_CASES[1:3])
+def test_gpu_ape(monkeypatch, dtype, H, Hkv, D, PS):
+    """APE's temperature and scale on a run of each request's entries (a middle run, every
+    entry, none), compiled, in every launch variant."""
+    from lazyrag.kernels import splits
+
+    monkeypatch.setattr(splits, "POISON_SCRATCH", True)
+    runs = [(2, 3 * 500 // PS), (0, 10_000), (5, 5)]
+    c = to_cuda(gpu_case(200 + PS, H, Hkv, D, PS, n_req=3, q_len=77, chunk_len=500, n_chunks=6, ape_runs=runs),
+                dtype)
+    last = (c.cu[1:] - 1).long()
+    qd, pd = c.q[last].contiguous(), c.q_pos[last].contiguous()
+    for rotate, ape in ((True, dict(ape_temperature=0.8, ape_scale=1.7)), (False, dict(ape_temperature=1.25))):
+        want = reference.lazy_prefill(c.q, c.k_pages, c.v_pages, c.pages, c.cu, c.q_pos, c.inv_freq, c.sm_scale,
+                                      rotate=rotate, **ape)
+        for cfg in PREFILL_VARIANTS:
+            got = kernels.lazy_prefill(c.q, c.k_pages, c.v_pages, c.pages, c.cu, c.q_pos, c.inv_freq, c.sm_scale,
+                                       rotate=rotate, out=torch.full_like(c.q, float("nan")), **ape, **cfg)
+            torch.cuda.synchronize()
+            assert not torch.isnan(got).any(), cfg
+            assert rel_err(got, want) < tol(dtype), (cfg, rotate, rel_err(got, want))
+        want = reference.lazy_decode(qd, c.k_pages, c.v_pages, c.pages, pd, c.inv_freq, c.sm_scale, rotate=rotate,
+                                     **ape)
+        for cfg in DECODE_VARIANTS:
+            got = kernels.lazy_decode(qd, c.k_pages, c.v_pages, c.pages, pd, c.inv_freq, c.sm_scale, rotate=rotate,
+                                      out=torch.full_like(qd, float("nan")), **ape, **cfg)
+            torch.cuda.synchronize()
+            assert not torch.isnan(got).any(), cfg
+            assert rel_err(got, want) < tol(dtype), (cfg, rotate, rel_err(got, want))
+
+
 @pytest.mark.parametrize("first,then", [(1, 3), (3, 1)])
 def test_gpu_prefill_split_twin_compiled_with_first_launch(monkeypatch, first, then):
     """A prefill launch compiles its split (or unsplit) twin too: a serving run that meets the

@@ -32,14 +32,15 @@ def test_pool_hands_out_free_pages_and_takes_them_back():
     assert torch.equal(pool.read_tokens([2, 0]), kv)
 
 
-@pytest.mark.parametrize("mode", ["lazy", "block", "full"])
-def test_padded_wide_decode_step_matches_plain_step(tmp_path, tiny, mode):
+@pytest.mark.parametrize("mode,ape", [("lazy", (1.0, 1.0)), ("block", (1.0, 1.0)), ("full", (1.0, 1.0)),
+                                      ("lazy", (0.8, 1.6)), ("block", (1.3, 0.7))])
+def test_padded_wide_decode_step_matches_plain_step(tmp_path, tiny, mode, ape):
     """What a CUDA graph replays, checked on the CPU: the step padded to a larger batch (rows
     that read no pages, K/V to a spare slot) and copied into a wider page table gives the
-    same logits for the real requests as the plain step."""
+    same logits for the real requests as the plain step, APE's rows included."""
     store = make_store(tmp_path, "random:tiny", chunk_tokens=48)
     fmt = PromptFormat(tiny.tokenizer)
-    engine = Engine(tiny, store, mode, cache_bytes=8 << 20, batch_size=4)
+    engine = Engine(tiny, store, mode, cache_bytes=8 << 20, batch_size=4, ape=ape)
     page_size = engine.pool.page_size
     reqs = place(engine, [request(store, fmt, "1", ["nile", "iron"], "Q one?"),
                           request(store, fmt, "2", ["bach"], "Q two?")])
@@ -54,10 +55,12 @@ def test_padded_wide_decode_step_matches_plain_step(tmp_path, tiny, mode):
     copy_step(host, packed, buf, wide)
     step = StepInputs.on(buf, wide)
     assert step.decode and step.pages.count.tolist()[2:] == [0, 0, 0]
+    ape_rows = list(zip(step.pages.ape_lo.tolist(), step.pages.ape_hi.tolist()))
+    assert ape_rows == [f.ape_rows for f in feeds] + [(0, 0)] * 3
     model = tiny.model
     hidden = model(step.tokens, step.positions,
                    PagedAttention(engine.pool, step, model.inv_freq, engine.runner.sm_scale,
-                                  engine.mode.rotate_queries))
+                                  engine.mode.rotate_queries, ape))
     padded = model.logits(hidden)[: len(reqs), : engine.runner.vocab]
     torch.testing.assert_close(padded, plain, rtol=1e-4, atol=1e-4)
     engine.close()
@@ -71,8 +74,8 @@ def test_step_fields_are_16_byte_aligned_whatever_the_shape():
         buf = torch.zeros(layout.size, dtype=torch.int32)
         step = StepInputs.on(buf, layout)
         pages = step.pages
-        for t in (pages.ids, pages.delta, pages.start, pages.length, pages.count, step.cu_seqlens,
-                  step.tokens, step.positions, step.slots):
+        for t in (pages.ids, pages.delta, pages.start, pages.length, pages.count, pages.ape_lo, pages.ape_hi,
+                  step.cu_seqlens, step.tokens, step.positions, step.key_positions, step.slots):
             assert (t.data_ptr() - buf.data_ptr()) % 16 == 0
         assert pages.ids.stride(0) % 4 == 0 and tuple(pages.ids.shape) == (batch, width)
         assert step.slots.numel() == tokens and step.cu_seqlens.numel() == batch + 1

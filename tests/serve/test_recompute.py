@@ -12,7 +12,7 @@ from lazyrag.config import IndexConfig
 from lazyrag.models.prompt import PromptFormat
 from lazyrag.serve import Engine, Request
 from lazyrag.serve.paged import PAGE
-from lazyrag.serve.recompute import Recompute, choose, head_order, pages_to_recompute
+from lazyrag.serve.recompute import Policy, Recompute, choose, head_order, pages_to_recompute
 from lazyrag.store import Store
 
 
@@ -28,8 +28,17 @@ def test_page_count_is_a_fraction_of_the_pages_after_the_first_chunk():
 
 def test_head_policy_takes_page_zero_of_every_later_chunk_first():
     assert head_order([2, 3, 1, 2]) == [(1, 0), (2, 0), (3, 0), (1, 1), (3, 1), (1, 2)]
-    assert choose(0.5, [2, 3, 1, 2]) == [(1, 0), (2, 0), (3, 0)]
-    assert choose(1.0, [2, 3, 1, 2]) == [(1, 0), (1, 1), (1, 2), (2, 0), (3, 0), (3, 1)]
+    assert choose(Recompute(0.5), [2, 3, 1, 2]) == [(1, 0), (2, 0), (3, 0)]
+    assert choose(Recompute(1.0), [2, 3, 1, 2]) == [(1, 0), (1, 1), (1, 2), (2, 0), (3, 0), (3, 1)]
+
+
+def test_attention_policy_ranks_pages_by_the_mass_the_question_pays_them():
+    scores = [torch.tensor([9.0, 9.0]), torch.tensor([0.1, 0.7, 0.2]), torch.tensor([0.5])]
+    assert choose(Recompute(0.5, Policy.ATTENTION), [2, 3, 1], scores) == [(1, 1), (2, 0)]
+    with pytest.raises(ValueError):
+        choose(Recompute(0.5, Policy.ATTENTION), [2, 3, 1])
+    with pytest.raises(ValueError):
+        Recompute(0.5, "nearest")
 
 
 @pytest.fixture(scope="module")
@@ -52,16 +61,20 @@ def requests(store, tiny):
 def prefill_logits(tiny, store, mode, reqs, recompute=Recompute()):
     engine = Engine(tiny, store, mode, cache_bytes=8 << 20, batch_size=4, recompute=recompute)
     seqs = place(engine, reqs)
+    if recompute.needs_scores:
+        for seq, mass in zip(seqs, engine.runner.row_attention(seqs, recompute.layer)):
+            engine.mode.assign_recompute(seq.request, seq.placement, mass)
     return engine, seqs, engine.runner.prefill(seqs)
 
 
 @pytest.mark.parametrize("mode", ["lazy", "block"])
-def test_recomputing_every_page_reproduces_full(paged_store, tiny, mode):
+@pytest.mark.parametrize("policy", ["head", "attention"])
+def test_recomputing_every_page_reproduces_full(paged_store, tiny, mode, policy):
     reqs = requests(paged_store, tiny)
     assert all(len(c.token_ids) > 16 for c in reqs[0].chunks[:2]), "chunks should span several pages"
     _, _, full = prefill_logits(tiny, paged_store, "full", reqs)
     _, _, plain = prefill_logits(tiny, paged_store, mode, reqs)
-    _, _, every = prefill_logits(tiny, paged_store, mode, reqs, Recompute(1.0))
+    _, _, every = prefill_logits(tiny, paged_store, mode, reqs, Recompute(1.0, policy, layer=1))
     assert (plain - full).abs().max() > 1e-3, "the test needs a gap between plain lazy and full"
     torch.testing.assert_close(every, full, atol=2e-5, rtol=1e-5)
 
@@ -79,7 +92,7 @@ def test_private_pages_replace_exactly_the_chosen_shared_pages(paged_store, tiny
         chosen = [row for row, _ in s.placement.recompute]
         assert chosen == [first + i for i, (c, q) in enumerate(
             (c, q) for c, e in enumerate(s.placement.pins) for q in range(-(-e.info.length // 16)))
-            if (c, q) in choose(0.5, [-(-e.info.length // 16) for e in s.placement.pins])]
+            if (c, q) in choose(Recompute(0.5), [-(-e.info.length // 16) for e in s.placement.pins])]
         for i, page in enumerate(shared):
             if first + i in chosen:
                 assert rows[first + i, PAGE] != page and rows[first + i, PAGE] in s.placement.private_pages
@@ -108,3 +121,21 @@ def test_private_pages_are_freed_with_the_request(paged_store, tiny):
     assert len(done) == 2
     resident = sum(-(-c.padded_length // 16) for c in {c.chunk_id: c for r in done for c in r.chunks}.values())
     assert engine.pool.num_free == free - resident  # only the cached chunks stay
+
+
+def test_attention_policy_recomputes_the_pages_the_question_attends_to_most(paged_store, tiny):
+    recompute = Recompute(0.4, Policy.ATTENTION, layer=1)
+    engine = Engine(tiny, paged_store, "lazy", cache_bytes=8 << 20, batch_size=4, recompute=recompute)
+    seqs = place(engine, requests(paged_store, tiny))
+    masses = engine.runner.row_attention(seqs, recompute.layer)
+    for seq, mass in zip(seqs, masses):
+        p = seq.placement
+        # every head of every prompt token spreads a weight of 1 over the rows it sees
+        heads = tiny.cfg.num_heads * len(p.prompt_ids)
+        assert mass.sum().item() == pytest.approx(heads, rel=1e-5)
+        assert p.recompute == [] and len(p.spare) == engine.mode.recomputed_pages(seq.request)
+        engine.mode.assign_recompute(seq.request, seq.placement, mass)
+        later = list(range(p.n_preamble + p.chunk_rows[0], p.n_context))  # rows of the chunks after the first
+        top = sorted(later, key=lambda r: -mass[r].item())[: len(p.recompute)]
+        assert sorted(row for row, _ in p.recompute) == sorted(top)
+        assert p.spare == []

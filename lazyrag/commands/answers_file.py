@@ -1,0 +1,103 @@
+"""The answers JSONL that `lazyrag answer` appends to, and the errors JSONL beside it.
+
+One writer at a time: the answers file is locked (flock) for the whole run, so two runs
+cannot interleave rows. Each row is synced as it is written, so a killed run resumes where
+it stopped; a torn last line such a kill can leave is cut away before anything is appended.
+Queries that fail go to `<name>.errors.jsonl`, never into the answers, so the next run
+retries them.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+from pathlib import Path
+from typing import BinaryIO, Callable
+
+
+class AnswersFileError(ValueError):
+    """The answers file cannot be used: a directory, or held by another `answer` run."""
+
+
+def errors_path(out: Path) -> Path:
+    """Where the failed queries of a run writing `out` are listed (answers.jsonl -> answers.errors.jsonl)."""
+    return out.with_name(f"{out.stem if out.suffix else out.name}.errors{out.suffix or '.jsonl'}")
+
+
+class AnswersFile:
+    """The answers file, locked and repaired on open. `done`: the ids already answered;
+    `failed`: how many queries this run wrote to the errors file."""
+
+    def __init__(self, path: Path, report: Callable[[str], None]):
+        if path.is_dir():
+            raise AnswersFileError(f"{path} is a directory; --out must name a file")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self.errors = errors_path(path)
+        self.failed = 0
+        self._fh = open(path, "a+b")
+        try:
+            fcntl.flock(self._fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._fh.close()
+            raise AnswersFileError(f"{path}: another answer run is writing this file; "
+                                   "wait for it to end or give another --out") from None
+        self.done = _repair_and_read(self._fh, path, report)
+        self.errors.unlink(missing_ok=True)  # it lists this run's failures only
+        self._errors_fh: BinaryIO | None = None
+
+    def write(self, row: dict) -> None:
+        _append(self._fh, row)
+
+    def write_error(self, qid: str, error: str, line: int) -> None:
+        if self._errors_fh is None:
+            self._errors_fh = open(self.errors, "ab")
+        _append(self._errors_fh, {"id": qid, "error": error, "line": line})
+        self.failed += 1
+
+    def close(self) -> None:
+        if self._errors_fh is not None:
+            self._errors_fh.close()
+        self._fh.close()  # releases the lock
+
+    def __enter__(self) -> AnswersFile:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _append(fh: BinaryIO, row: dict) -> None:
+    fh.write((json.dumps(row, ensure_ascii=False) + "\n").encode("utf-8"))
+    fh.flush()
+    os.fsync(fh.fileno())
+
+
+def _answer_id(line: bytes) -> str | None:
+    """The id of an answer row; None for anything else (a torn line, an error row)."""
+    try:
+        row = json.loads(line)
+    except ValueError:
+        return None
+    if not isinstance(row, dict) or "error" in row or not isinstance(row.get("id"), str):
+        return None
+    return row["id"]
+
+
+def _repair_and_read(fh: BinaryIO, path: Path, report: Callable[[str], None]) -> set[str]:
+    """The ids answered in `fh`, after cutting away a last line that is not valid JSON: left
+    there, the next row would be glued onto it and lost too."""
+    fh.seek(0)
+    lines = fh.read().split(b"\n")
+    last = lines[-1] or (lines[-2] if len(lines) > 1 else b"")
+    if last.strip():
+        try:
+            json.loads(last)
+            if lines[-1]:  # a whole row missing only its newline
+                fh.write(b"\n")
+        except ValueError:
+            size = fh.seek(0, os.SEEK_END)
+            fh.truncate(size - len(last) - (0 if lines[-1] else 1))
+            report(f"{path}: cut away a torn last line ({len(last)} bytes) left by an interrupted run")
+    return {qid for qid in map(_answer_id, lines) if qid is not None}
