@@ -131,9 +131,8 @@ def batch_sweep(kw: dict, loaded, store, prompts, questions, cache_gb: float, ar
     full, each at every --batch-sizes value: a mode's best batch size against another's best."""
     from lazyrag.serve import Recompute
 
-    configs = [("lazy", 0.0)] + [(m, f) for f in args.recompute for m in ("lazy", "block")]
-    if not args.skip_full:
-        configs.append(("full", 0.0))
+    configs = [("lazy", 0.0)] + ([] if args.skip_full else [("full", 0.0)])
+    configs += [(m, f) for f in args.recompute for m in ("lazy", "block")]
     rows = []
     for mode, fraction in configs:
         n = min(len(prompts), args.full_requests) if mode == "full" else len(prompts)

@@ -1,40 +1,123 @@
 #!/usr/bin/env python
-"""Quality of lazy and block against full, on real questions (CPU is fine).
+"""Quality of selective recompute (and APE) against full attention, on real questions (CPU).
 
-MuSiQue (gold answers): accuracy (normalised gold contained in the answer), EM, token F1,
-and the mean per-token log-likelihood of the gold answer under teacher forcing, per mode;
-plus the fidelity of lazy and block to full (identical greedy answers, token F1 between
-them). News (no gold): fidelity only; each question gets its own document (same number)
-plus 4 BM25 neighbours from the whole corpus, shuffled.
+Every measure compares a configuration with `full` on the same prompt token ids
+(lazyrag/eval/fidelity.py, the same measurement as `answer --audit`): full answers each
+question greedily (FORCED_TOKENS new tokens at most, EOS stops); each configuration is
+teacher-forced along full's answer ids (mean KL(full || mode) per token, top-1 agreement),
+answers greedily itself (identical to full, token F1 to full), and on MuSiQue is
+teacher-forced along the first gold answer (mean log-likelihood per token).
 
-Both go through the real index and answer paths. Writes docs/results/quality-eval.md (the
-tables docs/quality.md quotes) and docs/results/quality-eval.json. --musique-limit /
---news-limit keep the CPU time reasonable.
+A configuration is a mode (lazy, block), a recompute fraction F and policy
+(lazyrag/serve/recompute.py), and APE's attention temperature and scale when the engine
+has them. The first half of the MuSiQue questions (1-75 of 150, file order) chooses the
+default F: the smallest F of the grid below 1 that closes at least half of the gap between
+F=0 and full in both mean KL and gold log-likelihood (else the one closing the most). The
+second half and the news questions (own document + 4 BM25 neighbours, shuffled) report it.
 
-Usage: python scripts/eval_quality.py --data ../shared/data [--musique-limit 50] [--news-limit 25]
+Each corpus is indexed once into --work, and full's answers and logits and every
+configuration's figures are kept there, so an interrupted run resumes. Writes
+docs/results/quality-recompute.json (every figure) and docs/results/quality-recompute.md.
+
+Usage: python scripts/eval_quality.py [--data ../shared/data] [--musique-limit 150] [--news-limit 40]
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
+import platform
 import random
+import shlex
+import sys
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from lazyrag.eval import scoring as metrics
-from lazyrag.commands.answer import answer_file
-from lazyrag.commands.queries import read_queries, resolve_chunks
-from lazyrag.config import AnswerConfig, IndexConfig
-from lazyrag.serve import Engine, Request
+import torch
+import transformers
+
+from lazyrag.commands.audit import answer_text
 from lazyrag.commands.index import build_index
-from lazyrag.models import load_model
+from lazyrag.commands.queries import read_queries, resolve_chunks
+from lazyrag.config import DEFAULT_MODEL, IndexConfig, Mode
+from lazyrag.eval.fidelity import FORCED_TOKENS, fidelity
+from lazyrag.models import LoadedModel, load_model
 from lazyrag.models.prompt import PromptFormat
+from lazyrag.serve import Engine, Recompute, Request
 from lazyrag.store import Store
 
-MODES = ("full", "lazy", "block")
 ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "docs" / "results"
+APE = (0.9, 1.0)  # attention temperature and scale for the APE rows (T=S=1 is off)
+HALF = 0.5        # share of the F=0 gap a default must close in both measures
 
+
+# ---- configurations ---------------------------------------------------------------------------
+
+def policies() -> list[str]:
+    """The recompute policies this lazyrag has (`head` alone before policies were added)."""
+    try:
+        from lazyrag.serve.recompute import Policy
+    except ImportError:
+        return ["head"]
+    return [p.value for p in Policy]
+
+
+def engine_has_ape() -> bool:
+    return "ape" in inspect.signature(Engine).parameters
+
+
+@dataclass(frozen=True)
+class Config:
+    mode: str
+    fraction: float = 0.0
+    policy: str = "head"
+    ape: tuple[float, float] | None = None
+
+    @property
+    def key(self) -> str:
+        ape = f"ape{self.ape[0]:g}x{self.ape[1]:g}" if self.ape else "noape"
+        return f"{self.mode}-F{self.fraction:g}-{self.policy}-{ape}"
+
+    def engine(self, loaded: LoadedModel, store: Store, args) -> Engine:
+        recompute = Recompute(self.fraction) if self.policy == "head" else Recompute(self.fraction, policy=self.policy)
+        extra = {"ape": self.ape} if self.ape else {}
+        return Engine(loaded, store, self.mode, args.cache_gb * 2**30, args.batch_size,
+                      recompute=recompute, **extra)
+
+
+FULL = Config(Mode.FULL.value)
+LAZY = Config(Mode.LAZY.value)
+
+
+def grid(fractions: list[float]) -> list[Config]:
+    """The selection grid: lazy at every F with each policy (F=0 and F=1 once: there the policy
+    chooses nothing), block and APE at F=0."""
+    rows = [LAZY, Config(Mode.BLOCK.value)]
+    if engine_has_ape():
+        rows.append(Config(Mode.LAZY.value, ape=APE))
+    for f in fractions:
+        if 0 < f < 1:
+            rows += [Config(Mode.LAZY.value, f, p) for p in policies()]
+    return rows + [Config(Mode.LAZY.value, 1.0)] * (1.0 in fractions)
+
+
+def at_default(default: Config, lean: bool) -> list[Config]:
+    """The rows a reported split needs: F=0 and the default in each mode, each policy at the
+    default F, and APE at both when the engine has it. lean: only lazy at the default, block
+    and APE at F=0 (the rows at the default cost a recompute each)."""
+    ape = engine_has_ape()
+    rows = [LAZY, Config(Mode.BLOCK.value)] + [Config(Mode.LAZY.value, ape=APE)] * ape + [default]
+    if not lean:
+        rows.append(Config(Mode.BLOCK.value, default.fraction, default.policy))
+        rows += [Config(Mode.LAZY.value, default.fraction, p) for p in policies() if p != default.policy]
+        rows += [Config(Mode.LAZY.value, default.fraction, default.policy, APE)] * ape
+    return list(dict.fromkeys(rows))
+
+
+# ---- data -------------------------------------------------------------------------------------
 
 def jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
@@ -44,141 +127,249 @@ def write_jsonl(path: Path, rows: list[dict]) -> None:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
-def run_modes(work: Path, store: Path, queries: Path, args) -> dict[str, dict[str, dict]]:
-    """Each mode's answers to exactly these queries (an answers file may hold more: resumable)."""
-    ids = {q["id"] for q in jsonl(queries)}
-    answers = {}
-    for mode in MODES:
-        out = work / f"answers-{queries.stem}-{mode}.jsonl"
-        t = time.perf_counter()
-        answer_file(AnswerConfig(queries=queries, store=store, out=out, mode=mode, device=args.device,
-                                 max_new_tokens=args.max_new_tokens, cache_gb=args.cache_gb,
-                                 batch_size=args.batch_size), report=print, progress=False)
-        answers[mode] = {r["id"]: r for r in jsonl(out) if "answer" in r and r["id"] in ids}
-        print(f"{queries.stem} {mode}: {len(answers[mode])} answers in {time.perf_counter() - t:.0f}s", flush=True)
-    return answers
-
-
-def fidelity(answers: dict, mode: str) -> dict:
-    text = {m: {i: r["answer"] for i, r in rows.items()} for m, rows in answers.items()}
-    return metrics.agreement(text[mode], text["full"])
-
-
-def gold_loglik(store_path: Path, queries: Path, args) -> dict[str, float]:
-    store = Store.open(store_path)
-    loaded = load_model(store.settings.model, args.device, store.settings.kv_dtype)
-    fmt = PromptFormat(loaded.tokenizer)
-    qs = list(read_queries(queries, print))
-    conts = [fmt.encode(q.answers[0]) for q in qs]  # the answer opens the assistant turn: no space
-    result = {}
-    for mode in MODES:
-        engine = Engine(loaded, store, mode, args.cache_gb * 2**30, args.batch_size)
-        reqs = [Request(q.id, resolve_chunks(store, q, None, 5), fmt.question_ids(q.question), 1) for q in qs]
-        lps = engine.continuation_logprobs(reqs, conts)
-        engine.close()
-        result[mode] = round(sum(lps) / len(lps), 4)
-    return result
-
-
-def musique(args, work: Path) -> dict:
+def musique_queries(args) -> list[dict]:
     src = args.data / "musique"
     queries = jsonl(src / "queries.jsonl")[: args.musique_limit]
     needed = {d for q in queries for d in q["docs"]}
-    write_jsonl(work / "musique-corpus.jsonl", [d for d in jsonl(src / "corpus.jsonl") if d["id"] in needed])
-    write_jsonl(work / "musique.jsonl", queries)
-    store = work / "musique.zarr"
-    build_index(IndexConfig(corpus=work / "musique-corpus.jsonl", store=store, device=args.device), progress=True)
-    answers = run_modes(work, store, work / "musique.jsonl", args)
-    rows = {}
-    for mode in MODES:
-        scored = [r["score"] for r in answers[mode].values()]
-        rows[mode] = {k: round(sum(s[k] for s in scored) / len(scored), 4) for k in ("accuracy", "em", "f1")}
-        rows[mode]["n"] = len(scored)
-    ll = {} if args.skip_loglik else gold_loglik(store, work / "musique.jsonl", args)
-    for mode in MODES:
-        rows[mode]["gold_loglik"] = ll.get(mode)
-        if mode != "full":
-            rows[mode]["fidelity"] = fidelity(answers, mode)
-    return rows
+    write_jsonl(args.work / "musique-corpus.jsonl", [d for d in jsonl(src / "corpus.jsonl") if d["id"] in needed])
+    return queries
 
 
-def news(args, work: Path) -> dict:
+def news_queries(args) -> list[dict]:
+    """Each question with its own document and its 4 BM25 neighbours from the whole corpus, shuffled."""
     import bm25s
 
     src = args.data / "news"
     corpus = jsonl(src / "corpus.jsonl")
     by_id = {d["id"]: d for d in corpus}
-    queries = jsonl(src / "queries.jsonl")[: args.news_limit]
     bm25 = bm25s.BM25()
     bm25.index(bm25s.tokenize([d["text"] for d in corpus], show_progress=False), show_progress=False)
     rng = random.Random(0)
     rows, needed = [], set()
-    for q in queries:
+    for q in jsonl(src / "queries.jsonl")[: args.news_limit]:
         own = q["id"].replace("news-q", "news-")
         hits, _ = bm25.retrieve(bm25s.tokenize([q["question"]], show_progress=False), k=6, show_progress=False)
-        neighbours = [corpus[int(i)]["id"] for i in hits[0] if corpus[int(i)]["id"] != own][:4]
-        docs = [own] + neighbours
+        docs = [own] + [corpus[int(i)]["id"] for i in hits[0] if corpus[int(i)]["id"] != own][:4]
         rng.shuffle(docs)
         needed.update(docs)
         rows.append({"id": q["id"], "question": q["question"], "docs": docs})
-    write_jsonl(work / "news-corpus.jsonl", [by_id[d] for d in sorted(needed)])
-    write_jsonl(work / "news.jsonl", rows)
-    store = work / "news.zarr"
-    build_index(IndexConfig(corpus=work / "news-corpus.jsonl", store=store, device=args.device), progress=True)
-    answers = run_modes(work, store, work / "news.jsonl", args)
-    return {mode: fidelity(answers, mode) for mode in ("lazy", "block")}
+    write_jsonl(args.work / "news-corpus.jsonl", [by_id[d] for d in sorted(needed)])
+    return rows
 
 
-def report(res: dict, args) -> str:
-    m = res["musique"]
-    lines = [
-        "# Quality: lazy and block against full", "",
-        f"Date {time.strftime('%Y-%m-%d')}; model smollm2-135m (SmolLM2-135M-Instruct, Q4_1 GGUF dequantised), "
-        f"CPU fp32, greedy, {args.max_new_tokens} new tokens at most. Command: `python scripts/eval_quality.py "
-        f"--data {args.data} --musique-limit {args.musique_limit} --news-limit {args.news_limit}`.", "",
-        f"## MuSiQue ({m['full']['n']} questions, 10 paragraphs each in the given retrieval order)", "",
-        "| mode | accuracy | EM | F1 | gold log-likelihood / token | identical to full | F1 to full |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for mode in MODES:
-        r = m[mode]
-        fid = r.get("fidelity", {})
-        ll = "not run" if r["gold_loglik"] is None else f"{r['gold_loglik']:.3f}"
-        lines.append(f"| {mode} | {r['accuracy']:.1%} | {r['em']:.1%} | {r['f1']:.3f} | {ll} | "
-                     f"{fid.get('identical', 1):.1%} | {fid.get('f1_to_full', 1):.3f} |")
-    if "news" in res:
-        n = res["news"]
-        lines += ["", f"## News ({n['lazy']['n']} questions, own document + 4 BM25 neighbours, shuffled; no gold)",
-                  "", "| mode | identical to full | F1 to full |", "|---|---|---|"]
-        for mode in ("lazy", "block"):
-            lines.append(f"| {mode} | {n[mode]['identical']:.1%} | {n[mode]['f1_to_full']:.3f} |")
-    lines += ["", "Accuracy: the SQuAD-normalised gold answer is contained in the normalised answer; EM and F1 as "
-              "in SQuAD, best over the gold answers. Gold log-likelihood: mean log-probability per token of the "
-              "first gold answer after the prompt (teacher forcing); higher is better.", ""]
+@dataclass
+class Split:
+    """Questions measured together: their requests and, on MuSiQue, the first gold answer's ids."""
+
+    name: str
+    title: str
+    store: Store
+    requests: list[Request]
+    gold: list[list[int]] | None
+
+
+def splits_of(corpus: str, queries: list[dict], loaded: LoadedModel, args, halves: bool) -> list[Split]:
+    """The corpus indexed once, its questions as requests: MuSiQue in two halves (selection,
+    report) with gold answers, news whole."""
+    path = args.work / f"{corpus}.jsonl"
+    write_jsonl(path, queries)
+    store_path = args.work / f"{corpus}.zarr"
+    build_index(IndexConfig(corpus=args.work / f"{corpus}-corpus.jsonl", store=store_path, model=DEFAULT_MODEL,
+                            device=args.device), progress=False, loaded=loaded)
+    store = Store.open(store_path)
+    fmt = PromptFormat(loaded.tokenizer)
+    qs = list(read_queries(path, print))
+    reqs = [Request(q.id, resolve_chunks(store, q, None, 5), fmt.question_ids(q.question), FORCED_TOKENS) for q in qs]
+    gold = [fmt.encode(q.answers[0]) for q in qs] if halves else None  # the answer opens the assistant turn
+    if not halves:
+        return [Split(f"{corpus}-1-{len(reqs)}", f"news, {len(reqs)} questions", store, reqs, gold)]
+    k = (len(reqs) + 1) // 2
+    return [Split(f"{corpus}-1-{k}", f"MuSiQue 1-{k} (selection)", store, reqs[:k], gold[:k]),
+            Split(f"{corpus}-{k + 1}-{len(reqs)}", f"MuSiQue {k + 1}-{len(reqs)}", store, reqs[k:], gold[k:])]
+
+
+# ---- measuring --------------------------------------------------------------------------------
+
+def gold_loglik(engine: Engine, split: Split) -> float | None:
+    if split.gold is None:
+        return None
+    lps = engine.continuation_logprobs(split.requests, split.gold)
+    return sum(lps) / len(lps)
+
+
+def reference(split: Split, loaded: LoadedModel, args) -> dict:
+    """full's greedy answers (ids), its logits along them and its gold log-likelihood (cached)."""
+    path = args.work / "results" / split.name / "full.pt"
+    if path.exists():
+        return torch.load(path)
+    t = time.perf_counter()
+    engine = FULL.engine(loaded, split.store, args)
+    try:
+        ids: dict[str, list[int]] = {}
+        engine.run(split.requests, lambda seq: ids.__setitem__(seq.id, seq.generated))
+        forced = [ids[r.id][:FORCED_TOKENS] for r in split.requests]
+        logits = engine.teacher_forced_logits(split.requests, forced)
+        ll = gold_loglik(engine, split)
+    finally:
+        engine.close()
+    ref = {"forced": forced, "answers": [answer_text(loaded, f) for f in forced], "logits": logits,
+           "gold_loglik": ll, "seconds": time.perf_counter() - t}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(ref, path)
+    return ref
+
+
+def measure(cfg: Config, split: Split, ref: dict, loaded: LoadedModel, args) -> dict:
+    """One configuration's figures on one split (cached)."""
+    path = args.work / "results" / split.name / f"{cfg.key}.json"
+    if path.exists():
+        return json.loads(path.read_text())
+    t = time.perf_counter()
+    engine = cfg.engine(loaded, split.store, args)
+    try:
+        ids: dict[str, list[int]] = {}
+        engine.run(split.requests, lambda seq: ids.__setitem__(seq.id, seq.generated))
+        answers = [answer_text(loaded, ids[r.id]) for r in split.requests]
+        logits = engine.teacher_forced_logits(split.requests, ref["forced"])
+        ll = gold_loglik(engine, split)
+    finally:
+        engine.close()
+    row = {**asdict(cfg), **fidelity(ref["answers"], answers, ref["logits"], logits).to_json(),
+           "gold_loglik": ll, "seconds": round(time.perf_counter() - t, 1)}
+    path.write_text(json.dumps(row))
+    print(f"{split.name} {cfg.key}: KL {row['kl_mean']:.4f}, top-1 {row['top1_agreement']:.3f}, "
+          f"identical {row['identical']:.3f}, gold {ll if ll is None else round(ll, 4)}, {row['seconds']}s", flush=True)
+    return row
+
+
+def gap_closed(rows: list[dict], ref: dict) -> None:
+    """Each row's share of the F=0 lazy-to-full gap closed, in KL and in gold log-likelihood."""
+    base = next(r for r in rows if r["mode"] == LAZY.mode and r["fraction"] == 0 and not r["ape"])
+    for r in rows:
+        r["closed_kl"] = 1 - r["kl_mean"] / base["kl_mean"] if base["kl_mean"] > 0 else None
+        gap = None if ref["gold_loglik"] is None else ref["gold_loglik"] - base["gold_loglik"]
+        r["closed_loglik"] = (r["gold_loglik"] - base["gold_loglik"]) / gap if gap else None
+
+
+def choose_default(rows: list[dict]) -> tuple[Config, str]:
+    """The smallest F below 1 closing HALF of both gaps; else the one closing the most."""
+    def config(r: dict) -> Config:
+        return Config(r["mode"], r["fraction"], r["policy"])
+
+    def worst(r: dict) -> float:
+        return min(r["closed_kl"] or 0.0, r["closed_loglik"] if r["closed_loglik"] is not None else 1.0)
+
+    candidates = [r for r in rows if r["mode"] == Mode.LAZY.value and 0 < r["fraction"] < 1 and not r["ape"]]
+    good = [r for r in candidates if worst(r) >= HALF]
+    if good:
+        best = min(good, key=lambda r: (r["fraction"], -worst(r)))
+        return config(best), (f"the smallest F closing at least half of both gaps "
+                              f"({best['closed_kl']:.0%} of KL, {fmt_share(best['closed_loglik'])} of log-likelihood)")
+    best = max(candidates, key=worst)
+    return config(best), (f"no F below 1 closes half of both gaps; F={best['fraction']:g} closes the most "
+                          f"({best['closed_kl']:.0%} of KL, {fmt_share(best['closed_loglik'])} of log-likelihood)")
+
+
+# ---- report -----------------------------------------------------------------------------------
+
+def fmt_share(x: float | None) -> str:
+    return "-" if x is None else f"{x:.0%}"
+
+
+def table(split: dict) -> list[str]:
+    gold = split["gold_loglik_full"] is not None
+    head = ["mode", "F", "policy", "APE (T, S)", "KL mean", "top-1 agreement", "identical", "F1 to full"]
+    head += ["gold log-lik / token"] if gold else []
+    head += ["gap closed: KL"] + (["gap closed: log-lik"] if gold else []) + ["seconds"]
+    lines = [f"### {split['title']}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    full = ["full", "", "", "", "0", "1.000", "100.0%", "1.000"] + ([f"{split['gold_loglik_full']:.3f}"] if gold else [])
+    full += ["", ""] if gold else [""]
+    lines.append("| " + " | ".join(full + [f"{split['seconds_full']:.0f}"]) + " |")
+    for r in split["rows"]:
+        ape = f"{r['ape'][0]:g}, {r['ape'][1]:g}" if r["ape"] else "off"
+        cells = [r["mode"], f"{r['fraction']:g}", r["policy"], ape, f"{r['kl_mean']:.4f}", f"{r['top1_agreement']:.3f}",
+                 f"{r['identical']:.1%}", f"{r['f1_to_full']:.3f}"]
+        cells += [f"{r['gold_loglik']:.3f}"] if gold else []
+        cells += [fmt_share(r["closed_kl"])] + ([fmt_share(r["closed_loglik"])] if gold else [])
+        lines.append("| " + " | ".join(cells + [f"{r['seconds']:.0f}"]) + " |")
+    return lines + [""]
+
+
+def header(args) -> dict:
+    return {"command": "python scripts/eval_quality.py " + shlex.join(sys.argv[1:]),
+            "date": time.strftime("%Y-%m-%d"), "model": f"{DEFAULT_MODEL} (SmolLM2-135M-Instruct, Q4_1 GGUF dequantised)",
+            "device": f"{args.device} ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads), fp32",
+            "versions": {"python": platform.python_version(), "torch": torch.__version__,
+                         "transformers": transformers.__version__},
+            "forced_tokens": FORCED_TOKENS, "batch_size": args.batch_size, "policies": policies(),
+            "ape": list(APE) if engine_has_ape() else None}
+
+
+def report(res: dict) -> str:
+    h = res["header"]
+    lines = ["# Quality of selective recompute and APE against full", "",
+             f"`{h['command']}`", "",
+             f"{h['date']}; model {h['model']}; device {h['device']}; torch {h['versions']['torch']}, "
+             f"transformers {h['versions']['transformers']}; greedy, {h['forced_tokens']} new tokens at most; "
+             f"batch {h['batch_size']}.", ""]
+    if "default" in res:
+        d = res["default"]
+        lines += [f"Default chosen on the selection questions: F={d['fraction']:g}, policy {d['policy']}: {d['why']}.", ""]
+    for split in res["splits"].values():
+        lines += table(split)
+    lines += ["KL: mean KL(full || mode) per token in nats along full's answer (teacher forcing); top-1 agreement: "
+              "share of those tokens where the argmax is full's; identical / F1 to full: the configuration's own "
+              "greedy answer against full's (SQuAD-normalised); gold log-lik: mean log-probability per token of the "
+              "first gold answer; gap closed: share of the lazy F=0 to full gap closed; seconds: wall time of the "
+              "configuration's passes over the split (greedy, forced along full's answer, and on MuSiQue forced "
+              "along the gold answer).", ""]
     return "\n".join(lines)
+
+
+def run_split(split: Split, configs: list[Config], loaded: LoadedModel, args, res: dict) -> list[dict]:
+    ref = reference(split, loaded, args)
+    rows = [measure(c, split, ref, loaded, args) for c in configs]
+    gap_closed(rows, ref)
+    res["splits"][split.name] = {"title": f"{split.title}", "questions": len(split.requests),
+                                 "gold_loglik_full": ref["gold_loglik"], "seconds_full": round(ref["seconds"], 1),
+                                 "rows": rows}
+    save(res)
+    return rows
+
+
+def save(res: dict) -> None:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "quality-recompute.json").write_text(json.dumps(res, indent=1))
+    (RESULTS / "quality-recompute.md").write_text(report(res))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data", type=Path, default=ROOT.parent / "shared" / "data")
-    ap.add_argument("--work", type=Path, default=Path("/tmp/lazyrag-quality"), help="stores and answers (resumable)")
-    ap.add_argument("--musique-limit", type=int, default=50)
-    ap.add_argument("--news-limit", type=int, default=25)
-    ap.add_argument("--max-new-tokens", type=int, default=24)
-    ap.add_argument("--batch-size", type=int, default=16)
-    ap.add_argument("--cache-gb", type=float, default=2.0)
+    ap.add_argument("--work", type=Path, default=Path("/tmp/lazyrag-quality"), help="stores and figures (resumable)")
+    ap.add_argument("--musique-limit", type=int, default=150)
+    ap.add_argument("--news-limit", type=int, default=40)
+    ap.add_argument("--fractions", default="0,0.05,0.1,0.2,0.3,0.5,1.0", help="the recompute grid (comma-separated)")
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--skip-news", action="store_true")
-    ap.add_argument("--skip-loglik", action="store_true", help="full mode re-reads every prompt: the slow part")
+    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--cache-gb", type=float, default=5.0, help="page pool: 16 MuSiQue prompts of fp32 KV need ~4 GB")
+    ap.add_argument("--lean", action="store_true", help="at the default F, lazy alone (no block, other "
+                    "policies or APE there): for a slow CPU")
     args = ap.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
-    res = {"musique": musique(args, args.work)}
-    if not args.skip_news:
-        res["news"] = news(args, args.work)
-    (ROOT / "docs" / "results" / "quality-eval.json").write_text(json.dumps(res, indent=1))
-    text = report(res, args)
-    (ROOT / "docs" / "results" / "quality-eval.md").write_text(text)
-    print(text)
+    fractions = sorted({float(f) for f in args.fractions.split(",")})
+
+    loaded = load_model(DEFAULT_MODEL, args.device)
+    res = {"header": header(args), "splits": {}}
+    select, report_musique = splits_of("musique", musique_queries(args), loaded, args, halves=True)
+    default, why = choose_default(run_split(select, grid(fractions), loaded, args, res))
+    res["default"] = {"fraction": default.fraction, "policy": default.policy, "why": why}
+    reported = at_default(default, args.lean)
+    run_split(select, list(dict.fromkeys(grid(fractions) + reported)), loaded, args, res)  # grid rows are cached
+    (news,) = splits_of("news", news_queries(args), loaded, args, halves=False)
+    for split in (report_musique, news):
+        run_split(split, reported, loaded, args, res)
+    print(report(res))
 
 
 if __name__ == "__main__":

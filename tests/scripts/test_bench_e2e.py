@@ -40,6 +40,6 @@ def test_bench_e2e_batch_sweep_with_recompute(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     rows = json.loads((tmp_path / "out" / "bench_e2e.json").read_text())["results"][0]["batch_sweep"]
     assert [(r["mode"], r["recompute"], r["batch_size"]) for r in rows] == [
-        (m, f, b) for m, f in (("lazy", 0.0), ("lazy", 0.2), ("block", 0.2), ("full", 0.0)) for b in (2, 4)]
+        (m, f, b) for m, f in (("lazy", 0.0), ("full", 0.0), ("lazy", 0.2), ("block", 0.2)) for b in (2, 4)]
     assert all(r["requests"] == (3 if r["mode"] == "full" else 6) for r in rows)
     assert "| tiny | block | 0.2 |" in run.stdout
