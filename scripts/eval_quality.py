@@ -273,7 +273,7 @@ def choose_default(rows: list[dict]) -> tuple[Config, str]:
 # ---- report -----------------------------------------------------------------------------------
 
 def fmt_share(x: float | None) -> str:
-    return "-" if x is None else f"{x:.0%}"
+    return "-" if x is None else f"{round(x, 2) + 0.0:.0%}"  # + 0.0: no "-0%" from rounding noise
 
 
 def table(split: dict) -> list[str]:
