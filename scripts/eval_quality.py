@@ -16,7 +16,8 @@ F=0 and full in both mean KL and gold log-likelihood (else the one closing the m
 second half and the news questions (own document + 4 BM25 neighbours, shuffled) report it.
 
 Each corpus is indexed once into --work, and full's answers and logits and every
-configuration's figures are kept there, so an interrupted run resumes. Writes
+configuration's figures are kept there, so an interrupted run resumes (a new --work, or
+removing its results/, measures again). Writes
 docs/results/quality-recompute.json (every figure) and docs/results/quality-recompute.md.
 
 Usage: python scripts/eval_quality.py [--data ../shared/data] [--musique-limit 150] [--news-limit 40]
@@ -352,7 +353,7 @@ def main() -> None:
     ap.add_argument("--fractions", default="0,0.05,0.1,0.2,0.3,0.5,1.0", help="the recompute grid (comma-separated)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--batch-size", type=int, default=16)
-    ap.add_argument("--cache-gb", type=float, default=5.0, help="page pool: 16 MuSiQue prompts of fp32 KV need ~4 GB")
+    ap.add_argument("--cache-gb", type=float, default=5.0, help="page pool: 16 MuSiQue prompts of fp32 KV need ~5 GB")
     ap.add_argument("--lean", action="store_true", help="at the default F, lazy alone (no block, other "
                     "policies or APE there): for a slow CPU")
     args = ap.parse_args()
