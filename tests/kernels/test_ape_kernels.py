@@ -3,7 +3,6 @@ PyTorch reference against a float64 direct computation, the Triton kernels under
 interpreter against the reference, and the argument rules."""
 from __future__ import annotations
 
-import importlib.util
 
 import pytest
 import torch
@@ -90,18 +89,6 @@ def test_argument_rules():
 
 # ------------------------------------------------- Triton (interpreter on CPU) vs reference
 
-@pytest.fixture
-def interp(monkeypatch):
-    """CPU tensors through the Triton interpreter, split scratch NaN-poisoned (as in test_kernels)."""
-    if torch.cuda.is_available():
-        pytest.skip("CUDA present: Triton is compiled, and the GPU tests cover the kernels")
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton not installed")
-    from lazyrag.kernels import splits
-
-    monkeypatch.setattr(splits, "POISON_SCRATCH", True)
-    with kernels.cpu_backend("triton"):
-        yield
 
 
 @pytest.mark.parametrize("name,kw", CASES, ids=[c[0] for c in CASES])
