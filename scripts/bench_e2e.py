@@ -408,7 +408,6 @@ def main() -> None:
 
     out_dir = Path(os.environ.get("OUT", "."))
     out_dir.mkdir(parents=True, exist_ok=True)
-    root = Path(tempfile.mkdtemp(prefix="lazyrag-e2e-"))
     results = []
     info = {"gpu": torch.cuda.get_device_name() if has_cuda() else "cpu", "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
             "command": " ".join(sys.argv)}
@@ -417,7 +416,9 @@ def main() -> None:
         (out_dir / "bench_e2e.json").write_text(json.dumps({"info": info, "results": done}, indent=1))
 
     for model in args.models.split(","):
-        results.append(bench_model(model, args, root, save))
+        # each model's store is deleted once its runs are done: an 8B store is tens of GB
+        with tempfile.TemporaryDirectory(prefix="lazyrag-e2e-") as root:
+            results.append(bench_model(model, args, Path(root), save))
         save()
     text = sweep_table(results) if args.recompute else table(results)
     print(text)

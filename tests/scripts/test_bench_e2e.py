@@ -33,6 +33,8 @@ def test_bench_e2e_runs_every_workload(tmp_path):
 def test_bench_e2e_batch_sweep_with_recompute(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["OUT"] = str(tmp_path / "out")
+    env["TMPDIR"] = str(tmp_path / "tmp")  # where the benchmark's stores go: deleted when it ends
+    (tmp_path / "tmp").mkdir()
     cmd = [sys.executable, str(ROOT / "scripts" / "bench_e2e.py"), "--models", "random:tiny", "--docs", "6",
            "--doc-tokens", "160", "--requests", "6", "--full-requests", "3", "--cache-gb", "0.5",
            "--recompute", "0.2", "--batch-sizes", "2,4"]
@@ -43,3 +45,4 @@ def test_bench_e2e_batch_sweep_with_recompute(tmp_path):
         (m, f, b) for m, f in (("lazy", 0.0), ("full", 0.0), ("lazy", 0.2), ("block", 0.2)) for b in (2, 4)]
     assert all(r["requests"] == (3 if r["mode"] == "full" else 6) for r in rows)
     assert "| tiny | block | 0.2 |" in run.stdout
+    assert list((tmp_path / "tmp").glob("lazyrag-e2e-*")) == []
