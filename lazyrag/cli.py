@@ -3,43 +3,106 @@
 from __future__ import annotations
 
 import json
+import os
+import re
 import sys
 from pathlib import Path
 from typing import Optional
 
+import click
 import typer
 from rich.console import Console
+from rich.markup import escape
+from typer.core import TyperGroup
 
-from lazyrag.config import DEFAULT_MODEL, DEFAULT_STORE, AnswerConfig, IndexConfig, Mode
+from lazyrag.config import (DEFAULT_MODEL, DEFAULT_STORE, DEVICES, PAGE_SIZES, AnswerConfig, IndexConfig,
+                            Mode)
+
+# one line per message, even when piped (no wrap at 80 columns); tables still fit the width
+out = Console(soft_wrap=True)
+err = Console(stderr=True, soft_wrap=True)
+
+
+class Commands(TyperGroup):
+    """Runs every command inside one handler: a failure is one line on stderr and an exit code
+    by class (lazyrag/failures.py)."""
+
+    def invoke(self, ctx: click.Context):
+        from lazyrag.failures import classify, debug_traceback
+
+        try:
+            return super().invoke(ctx)
+        except (click.exceptions.Exit, click.exceptions.Abort):
+            raise
+        except click.UsageError as exc:
+            where = f"lazyrag {ctx.invoked_subcommand} --help" if ctx.invoked_subcommand else "lazyrag --help"
+            _error(f"{exc.format_message()} (see `{where}`)")
+            ctx.exit(2)
+        except KeyboardInterrupt:
+            _error("interrupted; run the same command again to resume")
+            ctx.exit(130)
+        except BrokenPipeError:
+            # the reader (`| head`) stopped reading: the command did nothing wrong; stdout goes
+            # to /dev/null so the interpreter's final flush cannot fail again
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            ctx.exit(0)
+        except Exception as exc:
+            failure = classify(exc)
+            debug_traceback()
+            _error(failure.message)
+            ctx.exit(failure.code)
+
+
+def _error(message: str) -> None:
+    err.print(f"[bold red]error:[/] {escape(message)}", highlight=False)
+
 
 app = typer.Typer(
-    add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+    cls=Commands, add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
     help="Batch retrieval-augmented generation over a fixed corpus, with each chunk's KV computed once "
          "and reused at any position (deferred RoPE).",
 )
-out = Console()
-err = Console(stderr=True)
-
 StoreOpt = typer.Option(DEFAULT_STORE, "--store", "-s", help="The zarr store directory.")
 JsonOpt = typer.Option(False, "--json", help="Print one JSON object for scripts instead of tables.")
-DEVICE_HELP = "auto (CUDA when present), cpu or cuda."
+DEVICE_HELP = f"{DEVICES} (auto: CUDA when present)."
 REMOTE_CODE_HELP = "Let transformers run code shipped with the model."
 QuietOpt = typer.Option(False, "--quiet", "-q", help="No progress bar.")
 
 
-def _fail(exc: Exception, code: int = 1):
-    err.print(f"[bold red]error:[/] {exc}", highlight=False, markup=True, soft_wrap=True)
-    raise typer.Exit(code)
+def _device(value: str) -> str:
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", value):
+        raise typer.BadParameter(f"{value!r}: choose {DEVICES}")
+    return value
 
 
-def _known_errors():
-    """Errors reported as one line (exit 1); anything else is a bug and keeps its traceback."""
-    from lazyrag.commands.queries import QueryError
-    from lazyrag.corpus import CorpusError
-    from lazyrag.models import ModelError
-    from lazyrag.store import StoreError
+def _dtype(value: str) -> str:
+    if value not in ("auto", "bf16", "fp16", "fp32"):
+        raise typer.BadParameter(f"{value!r}: choose auto, bf16, fp16 or fp32")
+    return value
 
-    return (CorpusError, ModelError, QueryError, StoreError, FileNotFoundError, ValueError)
+
+def _page_size(value: int) -> int:
+    if value not in PAGE_SIZES:
+        raise typer.BadParameter(f"{value}: choose one of {', '.join(map(str, PAGE_SIZES))} "
+                                 "(the attention kernels take a power of two in 16..128)")
+    return value
+
+
+def _answers_path(value: Path) -> Path:
+    if value.exists() and not value.is_file():
+        raise typer.BadParameter(f"{value} is {'a directory' if value.is_dir() else 'not a regular file'}; "
+                                 "name a file (created if missing)")
+    return value
+
+
+def _quiet_libraries() -> None:
+    """No progress bars or info lines from transformers and huggingface_hub (--json, -q)."""
+    from huggingface_hub.utils import disable_progress_bars
+    from transformers.utils import logging
+
+    disable_progress_bars()
+    logging.disable_progress_bar()
+    logging.set_verbosity_error()
 
 
 @app.command()
@@ -51,30 +114,45 @@ def index(
                               help=f"{DEFAULT_MODEL}, a local Hugging Face model directory, or random:<preset>."),
     chunk_tokens: int = typer.Option(IndexConfig.chunk_tokens, min=16,
                                      help="Most tokens per chunk; cuts prefer paragraph, then sentence boundaries."),
-    page_size: int = typer.Option(IndexConfig.page_size, help="Tokens per KV page (chunks are padded to whole pages)."),
+    page_size: int = typer.Option(IndexConfig.page_size, callback=_page_size,
+                                  help="Tokens per KV page (chunks are padded to whole pages): "
+                                       f"{', '.join(map(str, PAGE_SIZES))}."),
     batch_tokens: int = typer.Option(IndexConfig.batch_tokens, min=64, help="Chunk tokens per forward pass."),
-    device: str = typer.Option(IndexConfig.device, help=DEVICE_HELP),
-    dtype: str = typer.Option(IndexConfig.dtype, help="auto (bf16 on CUDA, fp32 on CPU), bf16, fp16 or fp32."),
+    device: str = typer.Option(IndexConfig.device, callback=_device, help=DEVICE_HELP),
+    dtype: str = typer.Option(IndexConfig.dtype, callback=_dtype,
+                              help="auto (bf16 on CUDA, fp32 on CPU), bf16, fp16 or fp32."),
     skip_bad: bool = typer.Option(IndexConfig.skip_bad, "--skip-bad", help="Report bad files or lines and go on."),
     trust_remote_code: bool = typer.Option(IndexConfig.trust_remote_code, help=REMOTE_CODE_HELP),
+    force: bool = typer.Option(IndexConfig.force, "--force",
+                               help="Index even when the store's estimated size exceeds the free disk space."),
+    verify: bool = typer.Option(IndexConfig.verify, "--verify",
+                                help="First read every stored chunk back against its checksum (as `lazyrag check` "
+                                     "does) and encode corrupt ones again; reads the whole store."),
     as_json: bool = JsonOpt,
     quiet: bool = QuietOpt,
 ):
     """Chunk a corpus, run the model once per chunk, and store each chunk's KV.
 
     Re-running adds only chunks that are not stored yet; an interrupted run resumes.
+    Chunks in missing or truncated segments are encoded again (with --verify, corrupt ones too).
     A store built with another model or other settings is refused.
     """
     from lazyrag.commands.index import build_index
+    from lazyrag.commands.preflight import check_index, scan_corpus
 
     cfg = IndexConfig(corpus=corpus, store=store, model=model, device=device, dtype=dtype,
-                             chunk_tokens=chunk_tokens, page_size=page_size, batch_tokens=batch_tokens,
-                             skip_bad=skip_bad, trust_remote_code=trust_remote_code)
-    try:
-        result = build_index(cfg, report=lambda m: err.print(f"[yellow]skipped:[/] {m}", highlight=False),
-                             progress=not (as_json or quiet))
-    except _known_errors() as exc:
-        _fail(exc)
+                      chunk_tokens=chunk_tokens, page_size=page_size, batch_tokens=batch_tokens,
+                      skip_bad=skip_bad, trust_remote_code=trust_remote_code, force=force, verify=verify)
+    if as_json or quiet:
+        _quiet_libraries()
+    scan = scan_corpus(cfg)
+    if not scan.documents:
+        err.print(f"[yellow]warning:[/] {escape(str(corpus))} holds no documents to index ({scan.empty} empty, "
+                  f"{scan.bad} bad skipped); nothing was indexed", highlight=False)
+        raise typer.Exit(3)
+    check_index(cfg, scan)
+    result = build_index(cfg, report=lambda m: err.print(f"[yellow]skipped:[/] {escape(m)}", highlight=False),
+                         progress=not (as_json or quiet))
     if as_json:
         print(json.dumps(result.to_json()))
         return
@@ -92,19 +170,23 @@ def index(
 def answer(
     queries: Path = typer.Argument(..., help='JSONL lines {"id", "question", "docs"?, "chunks"?, "answers"?}.'),
     store: Path = StoreOpt,
-    out_path: Path = typer.Option(AnswerConfig.out, "--out", "-o",
+    out_path: Path = typer.Option(AnswerConfig.out, "--out", "-o", callback=_answers_path,
                                   help="Answers JSONL, appended; ids already there are skipped (resume)."),
     mode: Mode = typer.Option(AnswerConfig.mode, help="lazy (shared chunk KV, deferred RoPE), block (per-request "
                                                       "re-rotated copies) or full (recompute the whole prompt)."),
     top_k: int = typer.Option(AnswerConfig.top_k, min=1,
                               help="Chunks to retrieve (BM25) for queries naming no docs or chunks."),
     max_new_tokens: int = typer.Option(AnswerConfig.max_new_tokens, min=1),
+    max_prompt_tokens: Optional[int] = typer.Option(AnswerConfig.max_prompt_tokens, min=1,
+                                                    help="Longest prompt (preamble, chunks, question) to answer; "
+                                                         "a longer one is listed in the errors file. Default: the "
+                                                         "model's context less --max-new-tokens."),
     cache_gb: float = typer.Option(AnswerConfig.cache_gb,
                                    help="GPU (or CPU) memory for the page pool: chunks, prompts, answers."),
     host_cache_gb: float = typer.Option(AnswerConfig.host_cache_gb,
                                         help="Pinned host memory for chunks evicted from the pool."),
     batch_size: int = typer.Option(AnswerConfig.batch_size, min=1, help="Most requests in flight."),
-    device: str = typer.Option(AnswerConfig.device, help=DEVICE_HELP),
+    device: str = typer.Option(AnswerConfig.device, callback=_device, help=DEVICE_HELP),
     temperature: float = typer.Option(AnswerConfig.temperature, min=0.0, help="0 is greedy."),
     top_p: float = typer.Option(AnswerConfig.top_p, min=0.0, max=1.0),
     seed: int = typer.Option(AnswerConfig.seed),
@@ -123,14 +205,16 @@ def answer(
     recompute: float = typer.Option(AnswerConfig.recompute, min=0.0, max=1.0, metavar="F",
                                     help="lazy and block: recompute this share of each request's chunk pages after "
                                          "its first chunk, in pages private to the request, attending to the chunks "
-                                         "before them (page 0 of each chunk first). 0 is off; 1 reproduces full. "
+                                         "before them. 0 is off; 1 reproduces full. "
                                          "Costs prefill time and F x those pages of --cache-gb per request."),
     recompute_policy: str = typer.Option(AnswerConfig.recompute_policy,
                                          help="Which pages --recompute takes: head (page 0 of each chunk, then "
                                               "page 1, ...) or attention (those the question attends to most at "
                                               "--recompute-layer, measured in a pass over the first layers)."),
-    recompute_layer: int = typer.Option(AnswerConfig.recompute_layer, min=0,
-                                        help="The layer whose attention ranks pages (--recompute-policy attention)."),
+    recompute_layer: Optional[int] = typer.Option(AnswerConfig.recompute_layer, min=0, show_default="2, or "
+                                                  "the last layer of a shallower model",
+                                                  help="The layer whose attention ranks pages (--recompute-policy "
+                                                       "attention)."),
     ape_temperature: float = typer.Option(AnswerConfig.ape_temperature, metavar="T",
                                           help="lazy and block only: APE's correction of the attention a question "
                                                "pays to separately encoded chunks, its logits to chunk keys divided "
@@ -145,26 +229,32 @@ def answer(
     from lazyrag.commands.answer import answer_file
 
     cfg = AnswerConfig(queries=queries, store=store, out=out_path, mode=mode, model=model, top_k=top_k,
-                       max_new_tokens=max_new_tokens, cache_gb=cache_gb, host_cache_gb=host_cache_gb,
+                       max_new_tokens=max_new_tokens, max_prompt_tokens=max_prompt_tokens, cache_gb=cache_gb,
+                       host_cache_gb=host_cache_gb,
                        batch_size=batch_size, device=device, temperature=temperature, top_p=top_p,
                        seed=seed, trust_remote_code=trust_remote_code, cuda_graphs=cuda_graphs, audit=audit,
                        recompute=recompute, recompute_policy=recompute_policy, recompute_layer=recompute_layer,
                        ape_temperature=ape_temperature, ape_scale=ape_scale)
-    try:
-        result = answer_file(cfg, report=lambda m: err.print(f"[yellow]bad input:[/] {m}", highlight=False),
-                             progress=not (as_json or quiet))
-    except _known_errors() as exc:
-        _fail(exc)
+    if as_json or quiet:
+        _quiet_libraries()
+    result = answer_file(cfg, report=lambda m: err.print(f"[yellow]warning:[/] {escape(m)}", highlight=False),
+                         progress=not (as_json or quiet))
     if as_json:
-        print(json.dumps({**result.record, "skipped_already_answered": result.skipped}))
+        print(json.dumps({**(result.record or {"queries": 0, "failed": result.failed, "bad_lines": len(result.bad)}),
+                          "skipped_already_answered": result.skipped}))
     else:
         from lazyrag.commands.stats import render_run
 
         if result.skipped:
             out.print(f"{result.skipped} queries were already answered in {out_path}; skipped")
-        render_run(result.record, out)
+        if result.record:
+            render_run(result.record, out)
+        elif not result.queries_in_file:
+            out.print(f"{queries} holds no queries")
         out.print(f"{result.failed} queries failed" + (f", listed in {result.errors}" if result.failed else ""))
-    if result.failed and not result.record["queries"]:
+        if result.record_file:
+            out.print(f"the store is not writable: this run's record is in {result.record_file}")
+    if result.nothing_answered:
         raise typer.Exit(3)  # bad input: nothing could be answered
 
 
@@ -173,14 +263,52 @@ def stats(store: Path = StoreOpt, as_json: bool = JsonOpt):
     """Show the store, and each `answer` run's cache hit ratio, latency and quality."""
     from lazyrag.commands.stats import render_stats, stats_json
 
-    try:
-        data = stats_json(store)
-    except _known_errors() as exc:
-        _fail(exc)
+    data = stats_json(store)
     if as_json:
         print(json.dumps(data, indent=2))
     else:
         render_stats(data, out)
+
+
+@app.command()
+def check(store: Path = StoreOpt, as_json: bool = JsonOpt):
+    """Read every chunk back against its checksum and compare the catalog with the disk.
+
+    Exits 4 when the store is damaged: a corrupt chunk (checksum mismatch),
+    a missing or truncated chunk or segment, a document listing a chunk the
+    catalog lacks, or an orphan segment left by an interrupted write.
+    Exits 0 when it is clean. Chunks no document uses any more are not
+    damage: `lazyrag compact` reclaims them.
+    """
+    from lazyrag.commands.check import render_check, run_check
+
+    report = run_check(store)
+    if as_json:
+        print(json.dumps(report.to_json()))
+    else:
+        render_check(report, store, out)
+    if not report.ok:
+        raise typer.Exit(4)  # the store is damaged
+
+
+@app.command()
+def compact(
+    store: Path = StoreOpt,
+    wait: bool = typer.Option(False, "--wait", help="Wait for answer or stats runs reading the store to finish "
+                                                    "instead of refusing."),
+    as_json: bool = JsonOpt,
+):
+    """Reclaim the disk space of chunks no document uses any more (old versions of re-indexed documents).
+
+    Refuses while another process writes the store, or (without --wait) reads it.
+    """
+    from lazyrag.commands.compact import describe, run_compact
+
+    result = run_compact(store, wait)
+    if as_json:
+        print(json.dumps(result.to_json()))
+    else:
+        out.print(describe(result), highlight=False)
 
 
 def main():  # pragma: no cover

@@ -9,6 +9,8 @@ from pathlib import Path
 DEFAULT_STORE = Path("lazyrag.zarr")
 # SmolLM2-135M-Instruct, shipped on PyPI as a GGUF file (lazyrag/models/loading.py fetches it)
 DEFAULT_MODEL = "smollm2-135m"
+PAGE_SIZES = (16, 32, 64, 128)  # what the attention kernels take (a power of two in 16..128)
+DEVICES = "auto, cpu, cuda or cuda:N"
 
 
 class Mode(StrEnum):
@@ -33,6 +35,8 @@ class IndexConfig:
     batch_tokens: int = 8192      # chunk tokens per forward pass
     skip_bad: bool = False
     trust_remote_code: bool = False
+    force: bool = False           # index even when the store's size estimate exceeds the free disk
+    verify: bool = False          # read every stored chunk back against its checksum first
 
 
 @dataclass
@@ -44,6 +48,7 @@ class AnswerConfig:
     model: str | None = None      # None: the model the store records
     top_k: int = 5
     max_new_tokens: int = 32
+    max_prompt_tokens: int | None = None  # None: the model's context less max_new_tokens
     cache_gb: float = 4.0         # GPU page pool
     host_cache_gb: float = 0.0    # optional pinned host tier between disk and GPU
     batch_size: int = 32          # most requests in flight
@@ -57,7 +62,7 @@ class AnswerConfig:
     audit: int = 0                # queries of the run also answered in full, to measure the gap to it
     recompute: float = 0.0        # share of the chunk pages after the first chunk recomputed per request
     recompute_policy: str = "head"  # which pages: head (first pages of each chunk) or attention (the question's)
-    recompute_layer: int = 2      # the layer whose attention ranks pages for the attention policy
+    recompute_layer: int | None = None  # the layer ranking pages (attention policy); None: Recompute's default
     # APE's attention temperature and scale on the question's attention to the chunks (lazy, block); 1 = off
     ape_temperature: float = 1.0
     ape_scale: float = 1.0

@@ -2,11 +2,12 @@
 
 The index is built once from the store's chunk texts and kept beside it (in
 `<store>/bm25/`, plain numpy and JSON, no pickle); it is rebuilt when the store's
-chunk set changes.
+set of visible chunks changes. On a store that cannot be written it lives in memory.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 
@@ -20,7 +21,8 @@ class Retriever:
         self.path = store.path / "bm25"
         chunks = list(store.iter_chunks())
         self.chunk_ids = [c.chunk_id for c in chunks]
-        stamp = {"chunks": len(chunks), "last": self.chunk_ids[-1] if chunks else None}
+        # every id, not a count: a re-indexed document changes the set but maybe not its size
+        stamp = {"chunks": len(chunks), "ids": hashlib.sha256("\n".join(self.chunk_ids).encode()).hexdigest()}
         stamp_file = self.path / "stamp.json"
         if stamp_file.exists() and json.loads(stamp_file.read_text()) == stamp:
             self.bm25 = bm25s.BM25.load(str(self.path), allow_pickle=False, show_progress=False)
@@ -29,6 +31,12 @@ class Retriever:
         self.bm25 = bm25s.BM25()
         if chunks:
             self.bm25.index(bm25s.tokenize([c.text for c in chunks], show_progress=False), show_progress=False)
+        try:
+            self._save(stamp)
+        except OSError:
+            pass  # a read-only store: this run keeps the index in memory
+
+    def _save(self, stamp: dict) -> None:
         tmp = self.path.with_name("bm25.tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         self.bm25.save(str(tmp), allow_pickle=False, show_progress=False)

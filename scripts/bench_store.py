@@ -20,6 +20,7 @@ import os
 import random
 import shutil
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -88,11 +89,12 @@ def main() -> None:
             for _ in range(args.chunks_per_segment):
                 n = lengths_rng.randint(args.chunk_tokens * 3 // 4, args.chunk_tokens)
                 ids = tuple(range(n_chunks * 100_000, n_chunks * 100_000 + n))
-                chunks.append(NewChunk(chunk_id_for(s, ids), "doc", n_chunks, ids, ""))
+                chunks.append(NewChunk(chunk_id_for(s, ids), f"doc{n_chunks}", 0, ids, ""))
                 rows += s.padded(n)
                 n_chunks += 1
             kv = np.resize(noise, rows * row_bytes // sdt.itemsize).reshape(rows, *s.row_shape)
             t = time.perf_counter()
+            st.put_documents(chunks)  # one document per chunk: readers see a chunk once a document lists it
             st.append(chunks, kv)
             write_s += time.perf_counter() - t
             written += kv.nbytes
@@ -108,15 +110,22 @@ def main() -> None:
 
         def run(label: str, order: list, threads: int = 1) -> None:
             evict(path)
-            bufs = [buf] + [torch.empty_like(buf) for _ in range(threads - 1)]
+            # one buffer per thread: a buffer shared by two reads in flight fails their checksums
+            spare = [buf] + [torch.empty_like(buf) for _ in range(threads - 1)]
+            mine = threading.local()
+
+            def read(c) -> None:
+                if not hasattr(mine, "buf"):
+                    mine.buf = spare.pop()
+                st.read_kv(c, out=mine.buf[: c.padded_length])
+
             t = time.perf_counter()
             if threads == 1:
                 for c in order:
-                    st.read_kv(c, out=buf[: c.padded_length])
+                    read(c)
             else:
                 with ThreadPoolExecutor(threads) as ex:
-                    list(ex.map(lambda ic: st.read_kv(ic[1], out=bufs[ic[0] % threads][: ic[1].padded_length]),
-                                enumerate(order)))
+                    list(ex.map(read, order))
             dt = time.perf_counter() - t
             total = sum(c.padded_length for c in order) * row_bytes
             results[label] = total / dt / 1e6

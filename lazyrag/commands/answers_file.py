@@ -9,20 +9,33 @@ retries them.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import BinaryIO, Callable
 
+from lazyrag.errors import ResourceError
 
-class AnswersFileError(ValueError):
-    """The answers file cannot be used: a directory, or held by another `answer` run."""
+
+class AnswersFileError(Exception):
+    """The answers file is held by another `answer` run."""
 
 
 def errors_path(out: Path) -> Path:
     """Where the failed queries of a run writing `out` are listed (answers.jsonl -> answers.errors.jsonl)."""
-    return out.with_name(f"{out.stem if out.suffix else out.name}.errors{out.suffix or '.jsonl'}")
+    return _beside(out, "errors", out.suffix or ".jsonl")
+
+
+def run_record_path(out: Path) -> Path:
+    """Where a run writing `out` keeps its record when the store is read-only (answers.jsonl -> answers.run.json)."""
+    return _beside(out, "run", ".json")
+
+
+def _beside(out: Path, kind: str, suffix: str) -> Path:
+    return out.with_name(f"{out.stem if out.suffix else out.name}.{kind}{suffix}")
 
 
 class AnswersFile:
@@ -30,13 +43,13 @@ class AnswersFile:
     `failed`: how many queries this run wrote to the errors file."""
 
     def __init__(self, path: Path, report: Callable[[str], None]):
-        if path.is_dir():
-            raise AnswersFileError(f"{path} is a directory; --out must name a file")
+        """`path` is a regular file or does not exist yet (the command line checks it)."""
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
         self.errors = errors_path(path)
         self.failed = 0
-        self._fh = open(path, "a+b")
+        # unbuffered, so a failed write leaves nothing queued to be written at close
+        self._fh = open(path, "a+b", buffering=0)
         try:
             fcntl.flock(self._fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -52,7 +65,7 @@ class AnswersFile:
 
     def write_error(self, qid: str, error: str, line: int) -> None:
         if self._errors_fh is None:
-            self._errors_fh = open(self.errors, "ab")
+            self._errors_fh = open(self.errors, "ab", buffering=0)
         _append(self._errors_fh, {"id": qid, "error": error, "line": line})
         self.failed += 1
 
@@ -69,9 +82,23 @@ class AnswersFile:
 
 
 def _append(fh: BinaryIO, row: dict) -> None:
-    fh.write((json.dumps(row, ensure_ascii=False) + "\n").encode("utf-8"))
-    fh.flush()
-    os.fsync(fh.fileno())
+    """Append one row and sync it; on a full disk, cut away what part of it was written and
+    raise ResourceError: the rows before it stay whole."""
+    data = (json.dumps(row, ensure_ascii=False) + "\n").encode("utf-8")
+    start = fh.seek(0, os.SEEK_END)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[fh.write(view):]
+        os.fsync(fh.fileno())
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        fh.truncate(start)
+        free = shutil.disk_usage(os.path.dirname(os.path.abspath(fh.name))).free
+        raise ResourceError(f"{fh.name}: disk full writing a row of {len(data):,} bytes ({free:,} bytes free); "
+                            "free some space and run again with the same --out: the rows written are kept "
+                            "and the rest resumes") from None
 
 
 def _answer_id(line: bytes) -> str | None:

@@ -39,6 +39,7 @@ class IndexResult:
     documents_empty: int
     bad_skipped: int
     seconds: float
+    chunks_repaired: int = 0  # damaged chunks (corrupt or missing data) encoded again
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -131,8 +132,8 @@ class StoreWriter:
     disk. Each batch becomes its own segment, so several can be written at once: while one
     thread waits for fsync, another copies its batch off the GPU and writes."""
 
-    def __init__(self, store: Store, threads: int = 3):
-        self.store = store
+    def __init__(self, store: Store, threads: int = 3, replace: frozenset[str] | set[str] = frozenset()):
+        self.store, self.replace = store, replace
         self.queue: queue.Queue = queue.Queue(maxsize=threads)
         self.error: BaseException | None = None
         self.threads = [threading.Thread(target=self._run, name=f"lazyrag-writer-{i}", daemon=True)
@@ -146,7 +147,7 @@ class StoreWriter:
                 try:
                     chunks, kv = item
                     # the device-to-host copy happens here too, off the compute thread
-                    self.store.append(chunks, kv_to_storage(kv))
+                    self.store.append(chunks, kv_to_storage(kv), replace=self.replace)
                 except BaseException as exc:  # reported on the main thread
                     self.error = exc
 
@@ -177,26 +178,27 @@ def build_index(cfg: IndexConfig, report=print, progress: bool = True, loaded: L
 
 def _index_into(store: Store, loaded: LoadedModel, settings: StoreSettings, cfg: IndexConfig, report,
                 progress: bool, t0: float) -> IndexResult:
+    # Chunks in missing or truncated segments (with --verify: any whose data fails its checksum)
+    # are encoded again. Reading every chunk back would cost a full read of the store each run.
+    damaged = store.check(verify=cfg.verify).damaged_chunk_ids
     # Chunk the whole corpus first: cheap next to the model, and it gives the bar a total.
     stats = CorpusStats()
     todo: dict[str, NewChunk] = {}
-    shared: list[NewChunk] = []
-    doc_ids = []
+    documents: dict[str, list[NewChunk]] = {}
     for doc in read_corpus(cfg.corpus, skip_bad=cfg.skip_bad, report=report, stats=stats):
-        doc_ids.append(doc.id)
-        for new in stored_chunks(doc, loaded.tokenizer, settings):
-            if new.chunk_id not in todo and not store.has_chunk(new.chunk_id):
+        documents[doc.id] = stored_chunks(doc, loaded.tokenizer, settings)
+        for new in documents[doc.id]:
+            # the same text elsewhere is stored once, referenced by both documents
+            if new.chunk_id not in todo and (new.chunk_id in damaged or not store.has_chunk(new.chunk_id)):
                 todo[new.chunk_id] = new
-            else:  # the same text elsewhere: one stored copy, referenced by both documents
-                shared.append(new)
-    store.note_documents(doc_ids)
-    store.link(shared)
+    # each document's new chunk list becomes visible with its last chunk, replacing the old one
+    store.put_documents([c for chunks in documents.values() for c in chunks])
 
     batch_pages = pages_per_batch(cfg, settings)
     tokens_added = sum(len(c.token_ids) for c in todo.values())
     if todo:
         encoder = ChunkEncoder(loaded, list(settings.preamble_ids), cfg.page_size, batch_pages)
-        writer = StoreWriter(store)
+        writer = StoreWriter(store, replace=damaged)
         bar = _ProgressBar(len(todo), progress)
         try:
             for batch in page_batches(list(todo.values()), batch_pages, cfg.page_size):
@@ -211,6 +213,7 @@ def _index_into(store: Store, loaded: LoadedModel, settings: StoreSettings, cfg:
         store=str(cfg.store), chunks_added=len(todo), chunks_total=summary["chunks"], tokens_added=tokens_added,
         tokens_total=summary["tokens"], documents_total=summary["documents"], documents_empty=stats.empty_skipped,
         bad_skipped=stats.bad_skipped, seconds=round(time.perf_counter() - t0, 3),
+        chunks_repaired=len(damaged & todo.keys()),
     )
 
 

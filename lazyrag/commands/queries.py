@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
+from lazyrag.errors import InputError
+from lazyrag.lines import text_lines
 from lazyrag.store import ChunkInfo, Store, StoreError
 
 
@@ -24,8 +26,13 @@ class Query:
     answers: list[str] | None = None
 
 
-class QueryError(ValueError):
-    pass
+class QueryError(InputError):
+    """The queries file cannot be read at all (a bad line is reported and skipped instead)."""
+
+
+# A line this long holds a question of ~250k tokens or more, past any supported model's context:
+# it can only be rejected, so it is skipped without being held in memory.
+MAX_LINE_BYTES = 1 << 20
 
 
 def read_queries(path: Path, report: Callable[[str], None]) -> Iterator[Query]:
@@ -37,18 +44,11 @@ def read_queries(path: Path, report: Callable[[str], None]) -> Iterator[Query]:
         raise QueryError(f"{path}: cannot read the queries file ({exc.strerror})") from None
     seen: set[str] = set()
     with fh:
-        for n, raw in enumerate(fh, 1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                report(f"{path}:{n}: not UTF-8 (byte {raw[exc.start]:#04x} at column {exc.start + 1})")
-                continue
-            if not line.strip():
-                continue
+        for n, line in text_lines(fh, path, report, MAX_LINE_BYTES):
             try:
                 q = _parse_query(line, n)
-            except ValueError as exc:
-                report(f"{path}:{n}: {exc}")
+            except (ValueError, RecursionError) as exc:  # RecursionError: JSON nested too deep
+                report(f"{path}:{n}: {exc if isinstance(exc, ValueError) else 'JSON nested too deep'}")
                 continue
             if q.id in seen:
                 report(f"{path}:{n}: duplicate query id {q.id!r}")

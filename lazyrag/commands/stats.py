@@ -11,9 +11,9 @@ from lazyrag.store import Store
 
 
 def stats_json(store_path: Path) -> dict:
-    store = Store.open(store_path)
-    runs = store.runs()
-    return {"path": str(store_path), "store": store.summary(), "runs": runs, "overall": overall(runs)}
+    with Store.open(store_path) as store:
+        runs, summary = store.runs(), store.summary()
+    return {"path": str(store_path), "store": summary, "runs": runs, "overall": overall(runs)}
 
 
 def overall(runs: list[dict]) -> dict:

@@ -18,10 +18,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lazyrag.errors import InputError
+from lazyrag.lines import text_lines
+
 CORPUS_SUFFIXES = (".txt", ".md", ".jsonl")
 
 
-class CorpusError(Exception):
+class CorpusError(InputError):
     """Bad corpus input. The message starts with ``file:line: ``."""
 
 
@@ -124,7 +127,11 @@ def _with_line(source: str) -> str:
 
 
 def _read_text_file(file: Path, doc_id: str, bad: Callable[[str], None]) -> Iterator[Document]:
-    data = file.read_bytes()
+    try:
+        data = file.read_bytes()
+    except OSError as e:
+        bad(f"{file}:1: cannot read ({e.strerror})")
+        return
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -136,22 +143,21 @@ def _read_text_file(file: Path, doc_id: str, bad: Callable[[str], None]) -> Iter
 
 
 def _read_jsonl(file: Path, bad: Callable[[str], None]) -> Iterator[Document]:
-    with open(file, "rb") as f:
-        for lineno, raw in enumerate(f, start=1):
+    try:
+        f = open(file, "rb")
+    except OSError as e:
+        bad(f"{file}:1: cannot read ({e.strerror})")
+        return
+    with f:
+        for lineno, line in text_lines(f, file, bad):
             where = f"{file}:{lineno}"
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                bad(f"{where}: not valid UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1})")
-                continue
-            if lineno == 1:
-                line = line.removeprefix("\ufeff")
-            if not line.strip():
-                continue
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
                 bad(f"{where}: invalid JSON: {e.msg} (column {e.colno})")
+                continue
+            except RecursionError:
+                bad(f"{where}: invalid JSON: nested too deep")
                 continue
             problem = _check_record(obj)
             if problem:

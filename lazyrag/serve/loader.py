@@ -172,11 +172,16 @@ class ChunkLoader:
             return host, None
         future, buf = self.pending.pop(cid, (None, None))
         t = time.perf_counter()
-        if future is None:
-            buf = self._staging_buffer(info)
-            host = self._read(info, buf)
-        else:
-            host = future.result()
+        try:
+            if future is None:
+                buf = self._staging_buffer(info)
+                host = self._read(info, buf)
+            else:
+                host = future.result()  # a failed prefetch raises its error here, for this request
+        except BaseException:
+            if buf is not None:  # nothing was copied from it
+                self.staging.give(buf)
+            raise
         report.read_wait_s = time.perf_counter() - t
         report.bytes_read = host.numel() * host.element_size()
         if report.bytes_read <= self.host.budget:

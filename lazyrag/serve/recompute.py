@@ -22,6 +22,9 @@ from enum import Enum
 import torch
 
 
+DEFAULT_LAYER = 2  # early enough to be cheap; the question already attends by content there
+
+
 class Policy(str, Enum):
     HEAD = "head"
     ATTENTION = "attention"
@@ -34,13 +37,22 @@ class Recompute:
 
     fraction: float = 0.0
     policy: Policy = Policy.HEAD
-    layer: int = 2  # the layer whose attention ranks pages (policy `attention`)
+    layer: int | None = None  # the layer whose attention ranks pages (policy `attention`); None: DEFAULT_LAYER
 
     def __post_init__(self):
         object.__setattr__(self, "policy", Policy(self.policy))
         pages_to_recompute(self.fraction, [])  # range check
-        if self.layer < 0:
+        if self.layer is not None and self.layer < 0:
             raise ValueError(f"the recompute layer must be >= 0, got {self.layer}")
+
+    def ranking_layer(self, num_layers: int) -> int:
+        """The layer that ranks pages in a model of num_layers: the one asked for (an error past
+        the last), else DEFAULT_LAYER or the last layer of a shallower model."""
+        if self.layer is None:
+            return min(DEFAULT_LAYER, num_layers - 1)
+        if self.layer >= num_layers:
+            raise ValueError(f"--recompute-layer {self.layer} is past the model's last layer ({num_layers - 1})")
+        return self.layer
 
     @property
     def needs_scores(self) -> bool:

@@ -1,15 +1,21 @@
 """The chunk store: zarr segments of position-free KV, a SQLite catalog, the run log.
 
-format.py holds the settings, chunk ids and on-disk layout; catalog.py the SQLite
-catalog; segments.py the segment files; runlog.py the run log; store.py the ``Store``
-that composes them.
+format.py holds the settings, chunk ids, checksums, on-disk layout and errors; catalog.py
+the SQLite catalog; segments.py the segment files; locks.py the writer and reader locks;
+integrity.py the check and the orphan clean-up; compaction.py compaction; migration.py the
+upgrade of older stores; runlog.py the run log; access.py whether a store can be written;
+store.py the ``Store`` that composes them.
 """
 
 from .catalog import ChunkInfo, NewChunk
+from .compaction import CompactResult
 from .format import (
     FORMAT_NAME,
     FORMAT_VERSION,
     KV_DTYPES,
+    ChunkReadError,
+    DocumentIncomplete,
+    StoreBusy,
     StoreError,
     StoreMismatch,
     StoreSettings,
@@ -18,6 +24,7 @@ from .format import (
     storage_dtype,
     torch_dtype,
 )
+from .integrity import CheckReport
 from .segments import SegmentReader
 from .store import Store
 
@@ -25,10 +32,15 @@ __all__ = [
     "FORMAT_NAME",
     "FORMAT_VERSION",
     "KV_DTYPES",
+    "CheckReport",
     "ChunkInfo",
+    "ChunkReadError",
+    "CompactResult",
+    "DocumentIncomplete",
     "NewChunk",
     "SegmentReader",
     "Store",
+    "StoreBusy",
     "StoreError",
     "StoreMismatch",
     "StoreSettings",

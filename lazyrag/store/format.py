@@ -7,9 +7,12 @@ Layout of a store directory::
     segments/<name>/     one zarr array per append call, written whole, never changed:
                          shape [rows, num_layers, 2 (K, V), num_kv_heads, head_dim],
                          one shard holding the whole segment, inner chunks of one page,
-                         uncompressed, so every stored chunk is one contiguous byte range
-    catalog.sqlite       chunks, documents, segments, run log (SQLite, WAL)
-    write.lock           held (flock) by the one process that may append
+                         uncompressed, so every stored chunk is one contiguous byte range;
+                         named seg-<seq>-<random>, with a marker file naming the store
+    catalog.sqlite       chunks (with a crc32c each), documents and their chunk lists,
+                         document versions being stored, segments, run log (SQLite, WAL)
+    write.lock           held (flock) by the one process that may append or compact
+    read.lock            held shared by readers; compaction takes it exclusively
 
 Keys are stored after RoPE at chunk-local positions; values as they are. bf16 has no
 zarr dtype: its bits are stored as uint16 and ``kv_dtype`` names the logical dtype.
@@ -20,21 +23,31 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+import crc32c
 import numpy as np
 import torch
 
 FORMAT_NAME = "lazyrag-kv"
-FORMAT_VERSION = 1
+# 2: per-chunk checksums, versioned documents, segment markers. Version 1 stores are
+# upgraded in place when opened for writing (lazyrag/store/migration.py).
+FORMAT_VERSION = 2
+# The version of the KV layout inside chunk ids and compat keys: unchanged since version 1,
+# so an upgraded store keeps its chunk ids.
+KV_LAYOUT_VERSION = 1
 
 CATALOG_FILE = "catalog.sqlite"
 LOCK_FILE = "write.lock"
+READ_LOCK_FILE = "read.lock"
 SEGMENTS = "segments"
+SEGMENT_MARKER = "lazyrag-segment.json"
+SEGMENT_NAME = re.compile(r"seg-[0-9]{6,}-[0-9a-f]{8}")
 ATTRS_KEY = "lazyrag"
 
 KV_DTYPES = ("bfloat16", "float16", "float32")
@@ -48,6 +61,23 @@ class StoreError(Exception):
 
 class StoreMismatch(StoreError):
     """The store was built with other settings (model, dtype, chunking, ...)."""
+
+
+class ChunkReadError(StoreError):
+    """A chunk's KV cannot be read back as stored: its checksum does not match (``corrupt``), or
+    its segment is missing or truncated. ``chunk_id`` and ``segment`` name it."""
+
+    def __init__(self, message: str, chunk_id: str, segment: str, corrupt: bool = False):
+        super().__init__(message)
+        self.chunk_id, self.segment, self.corrupt = chunk_id, segment, corrupt
+
+
+class StoreBusy(StoreError):
+    """Another process holds the lock this operation needs (a writer, or readers during compaction)."""
+
+
+class DocumentIncomplete(StoreError):
+    """A document is known to the store but not all of its chunks are stored yet."""
 
 
 def storage_dtype(kv_dtype: str) -> np.dtype:
@@ -100,7 +130,7 @@ class StoreSettings:
     def compat_fields(self) -> dict:
         """Everything that must match for stored KV to be reused, by name."""
         return {
-            "format_version": FORMAT_VERSION,
+            "format_version": KV_LAYOUT_VERSION,
             "fingerprint": self.fingerprint,
             "kv_dtype": self.kv_dtype,
             "page_size": self.page_size,
@@ -119,9 +149,26 @@ class StoreSettings:
         return d
 
     @classmethod
-    def from_json(cls, d: dict) -> StoreSettings:
-        known = {f for f in cls.__dataclass_fields__}
-        return cls(**{k: v for k, v in d.items() if k in known})
+    def from_json(cls, d: Any) -> StoreSettings:
+        """Settings as :meth:`to_json` wrote them (unknown keys ignored); StoreError naming the first
+        setting that is missing or of the wrong type."""
+        if d is None:
+            raise StoreError("it holds no settings")
+        if not isinstance(d, dict):
+            raise StoreError(f"its settings are {_json_type(d)}, not an object")
+        for name, f in cls.__dataclass_fields__.items():
+            if name not in d:
+                if f.default is MISSING and f.default_factory is MISSING:
+                    raise StoreError(f"setting {name!r} is missing")
+                continue
+            value, want = d[name], _SETTING_TYPES[name]
+            ok = isinstance(value, want) and not isinstance(value, bool)
+            if ok and name == "preamble_ids":
+                ok = all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+            if not ok:
+                expected = "a list of integers" if name == "preamble_ids" else _json_type(want())
+                raise StoreError(f"setting {name!r} is {_json_type(value)}, expected {expected}")
+        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
 
     @property
     def row_shape(self) -> tuple[int, int, int, int]:
@@ -138,8 +185,28 @@ class StoreSettings:
         return math.ceil(length / self.page_size) * self.page_size
 
 
+# The JSON type of each setting in zarr.json (int: an integer, never a bool).
+_SETTING_TYPES = {"model": str, "fingerprint": str, "kv_dtype": str, "num_layers": int, "num_kv_heads": int,
+                  "head_dim": int, "page_size": int, "preamble_ids": list, "rope": dict, "chunking": dict,
+                  "encoding": dict}
+
+
+def _json_type(value: Any) -> str:
+    """What a JSON value is, in words ("a string", "an integer", ...)."""
+    for kind, words in ((bool, "a boolean"), (int, "an integer"), (float, "a number"), (str, "a string"),
+                        (list, "a list"), (dict, "an object")):
+        if isinstance(value, kind):
+            return words
+    return "null" if value is None else type(value).__name__
+
+
 def _canonical_json(obj: Any) -> str:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+
+
+def checksum(data: np.ndarray) -> int:
+    """crc32c of an array's bytes as stored (a contiguous array: a chunk's rows)."""
+    return crc32c.crc32c(memoryview(np.ascontiguousarray(data)).cast("B"))
 
 
 def token_ids_bytes(token_ids: Sequence[int]) -> bytes:
@@ -194,8 +261,9 @@ def root_attributes(settings: StoreSettings) -> dict:
     }
 
 
-def read_root_attributes(path: Path) -> dict:
-    """The root attributes of the store at ``path``; StoreError unless it is a store this version reads."""
+def read_root_attributes(path: Path) -> tuple[dict, StoreSettings]:
+    """The root attributes of the store at ``path`` and the settings they hold; StoreError, naming
+    zarr.json and what is wrong in it, unless it is a store this version reads."""
     meta_file = path / "zarr.json"
     try:
         meta = json.loads(meta_file.read_text())
@@ -203,18 +271,26 @@ def read_root_attributes(path: Path) -> dict:
         raise StoreError(f"{path} is not a lazyrag store (no zarr.json)") from None
     except (OSError, ValueError) as e:
         raise StoreError(f"{path} is not a lazyrag store ({meta_file}: {e})") from None
-    attrs = (meta.get("attributes") or {}).get(ATTRS_KEY)
+    attrs = meta.get("attributes") if isinstance(meta, dict) else None
+    attrs = attrs.get(ATTRS_KEY) if isinstance(attrs, dict) else None
     if not isinstance(attrs, dict) or attrs.get("format") != FORMAT_NAME:
         raise StoreError(f"{path} is a zarr group but not a lazyrag store")
     version = attrs.get("format_version")
-    if not isinstance(version, int) or version > FORMAT_VERSION:
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+        raise StoreError(f"{meta_file} is damaged: its format_version is {_json_type(version)}, not a positive "
+                         "integer; restore the file or re-index into a new --store")
+    if version > FORMAT_VERSION:
         raise StoreError(
             f"{path} has store format version {version}, newer than this lazyrag "
             f"supports ({FORMAT_VERSION}); upgrade lazyrag"
         )
+    try:
+        settings = StoreSettings.from_json(attrs.get("settings"))
+    except StoreError as e:
+        raise StoreError(f"{meta_file} is damaged: {e}; restore the file or re-index into a new --store") from None
     if not (path / CATALOG_FILE).exists():
         raise StoreError(f"{path} is damaged: {CATALOG_FILE} is missing")
-    return attrs
+    return attrs, settings
 
 
 def mismatch_message(path: Path, stored: StoreSettings, wanted: StoreSettings) -> str:

@@ -1,4 +1,4 @@
-"""The run log: one JSON record per ``answer`` run, appended to the store's catalog, read by ``stats``."""
+"""The run log: one JSON record per ``answer`` run, kept in the store's catalog, read by ``stats``."""
 
 from __future__ import annotations
 
@@ -14,11 +14,13 @@ class RunLog:
     def __init__(self, catalog: Catalog):
         self._catalog = catalog
 
-    def add(self, record: dict) -> None:
-        """Append one JSON record (atomic)."""
+    def save(self, run_id: str, record: dict) -> None:
+        """Record run ``run_id``: its first save adds it, later ones replace its record in place (atomic)."""
         text = json.dumps(record, sort_keys=True)
         with self._catalog.transaction() as db:
-            db.execute("INSERT INTO runs (created, record) VALUES (?, ?)", (timestamp(), text))
+            # one row per run: the table stays small, so finding the run without an index costs nothing
+            if db.execute("UPDATE runs SET record = ? WHERE run_id = ?", (text, run_id)).rowcount == 0:
+                db.execute("INSERT INTO runs (created, record, run_id) VALUES (?, ?, ?)", (timestamp(), text, run_id))
 
     def records(self) -> list[dict]:
         """The records, oldest first."""

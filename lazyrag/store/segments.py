@@ -1,5 +1,9 @@
 """Segment files: each append's KV as one zarr v3 array, written whole and made durable, and
-read back one chunk at a time, with one pread when the segment has the layout written here."""
+read back one chunk at a time, with one pread when the segment has the layout written here,
+each read checked against the chunk's checksum.
+
+A segment's directory gets its marker file (the store's id) before any data, so a segment
+left behind by a crash is recognisably this store's and nothing else is ever taken for one."""
 
 from __future__ import annotations
 
@@ -16,7 +20,7 @@ import zarr
 from zarr.codecs import BytesCodec, ShardingCodec
 
 from .catalog import ChunkInfo
-from .format import SEGMENTS, StoreError, StoreSettings, torch_dtype
+from .format import SEGMENT_MARKER, SEGMENTS, ChunkReadError, StoreError, StoreSettings, checksum, torch_dtype
 
 
 def fsync_path(path: Path) -> None:
@@ -36,7 +40,24 @@ def fsync_tree(path: Path) -> None:
         fsync_path(Path(dirpath))
 
 
-def write_segment(root: Path, settings: StoreSettings, data: np.ndarray, seq: int) -> str:
+def write_marker(segment_dir: Path, store_id: str) -> None:
+    """Mark ``segment_dir`` as a segment of the store whose id is ``store_id``."""
+    marker = {"store_id": store_id, "segment": segment_dir.name}
+    (segment_dir / SEGMENT_MARKER).write_text(json.dumps(marker) + "\n")
+
+
+def marked_by(segment_dir: Path) -> str | None:
+    """The store id in a segment directory's marker (None: no readable marker)."""
+    try:
+        marker = json.loads((segment_dir / SEGMENT_MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(marker, dict) or marker.get("segment") != segment_dir.name:
+        return None
+    return marker.get("store_id") if isinstance(marker.get("store_id"), str) else None
+
+
+def write_segment(root: Path, settings: StoreSettings, data: np.ndarray, seq: int, store_id: str) -> str:
     """Write ``data`` as segment number ``seq`` of the store at ``root``, durable; return its name.
 
     The segment is a zarr v3 array with one shard (the whole segment) of
@@ -47,6 +68,9 @@ def write_segment(root: Path, settings: StoreSettings, data: np.ndarray, seq: in
     """
     name = f"seg-{seq:06d}-{secrets.token_hex(4)}"
     s = settings
+    arr_dir = root / SEGMENTS / name
+    arr_dir.mkdir(parents=True)
+    write_marker(arr_dir, store_id)
     rows = data.shape[0]
     n_pages = rows // s.page_size
     arr = zarr.create_array(
@@ -67,7 +91,6 @@ def write_segment(root: Path, settings: StoreSettings, data: np.ndarray, seq: in
         attributes={"kv_dtype": s.kv_dtype},
         write_data=False,
     )
-    arr_dir = root / SEGMENTS / name
     shard = arr_dir / arr.metadata.encode_chunk_key((0,) * data.ndim)
     shard.parent.mkdir(parents=True, exist_ok=True)
     page_bytes = s.page_size * s.row_bytes
@@ -116,6 +139,13 @@ class SegmentReader:
                     seg.fd = None
             self._segments.clear()
 
+    def forget(self, name: str) -> None:
+        """Close a segment that is being deleted."""
+        with self._lock:
+            seg = self._segments.pop(name, None)
+            if seg is not None and seg.fd is not None:
+                os.close(seg.fd)
+
     def byte_range(self, chunk: ChunkInfo) -> tuple[Path, int, int] | None:
         """(file, first byte, bytes) of ``chunk``'s rows when one read of that file gets
         them all; None when its segment is read through zarr instead."""
@@ -141,15 +171,42 @@ class SegmentReader:
                 f"out must be a contiguous CPU tensor of shape {shape} and dtype {dtype}, "
                 f"got {tuple(out.shape)} {out.dtype} on {out.device}"
             )
-        seg = self._segment(chunk.segment)
         buf = out.view(-1).view(torch.uint8).numpy()
-        if seg.contiguous and seg.fd is not None:
-            _pread_into(seg.fd, memoryview(buf), seg.data_start + chunk.offset * self._row_bytes, seg.file)
-        else:
+        try:
+            seg = self._segment(chunk.segment)
+            if seg.contiguous and seg.fd is not None:
+                _pread_into(seg.fd, memoryview(buf), seg.data_start + chunk.offset * self._row_bytes)
+            else:
+                buf[:] = self._read_through_zarr(chunk)
+        except StoreError as e:
+            raise self._read_error(chunk, str(e)) from None
+        if chunk.checksum is not None and (got := checksum(buf)) != chunk.checksum:
+            raise self._read_error(chunk, f"its checksum does not match (stored {chunk.checksum:#010x}, "
+                                          f"read {got:#010x}): the data on disk changed", corrupt=True)
+        return out
+
+    def check_structure(self, chunk: ChunkInfo) -> None:
+        """Raise ChunkReadError, as :meth:`read_kv` would, when ``chunk``'s segment is missing or
+        does not have the size its layout implies; reads no chunk data (cheap: one stat per segment)."""
+        try:
+            self._segment(chunk.segment)
+        except StoreError as e:
+            raise self._read_error(chunk, str(e)) from None
+
+    def _read_error(self, chunk: ChunkInfo, reason: str, corrupt: bool = False) -> ChunkReadError:
+        # only `index --verify` reads every chunk back, so only it finds a corrupt one
+        fix = f"lazyrag index CORPUS --store {self.root}" + (" --verify" if corrupt else "")
+        return ChunkReadError(
+            f"chunk {chunk.chunk_id} (segment {chunk.segment} of store {self.root}) cannot be read: {reason}; "
+            f"run `{fix}` to re-encode it", chunk.chunk_id, chunk.segment, corrupt)
+
+    def _read_through_zarr(self, chunk: ChunkInfo) -> np.ndarray:
+        try:
             arr = zarr.open_array(str(self.root / SEGMENTS / chunk.segment), mode="r")
             data = arr[chunk.offset : chunk.offset + chunk.padded_length]
-            buf[:] = np.ascontiguousarray(data).view(np.uint8).reshape(-1)
-        return out
+        except Exception as e:  # zarr reports damaged data in many ways; each is this segment's fault
+            raise StoreError(f"zarr cannot decode it ({type(e).__name__}: {e})") from None
+        return np.ascontiguousarray(data).view(np.uint8).reshape(-1)
 
     def _segment(self, name: str) -> _Segment:
         with self._lock:
@@ -159,44 +216,35 @@ class SegmentReader:
             return seg
 
     def _load(self, name: str) -> _Segment:
+        """A segment's shard file, and whether its rows can be read with one pread (checked
+        against the shard index); StoreError when the segment is missing or truncated."""
         arr_dir = self.root / SEGMENTS / name
         try:
             meta = json.loads((arr_dir / "zarr.json").read_text())
-        except (OSError, ValueError) as e:
-            raise StoreError(f"store {self.root}: segment {name} is missing or damaged ({e})") from None
-        rows = meta["shape"][0]
+            rows = int(meta["shape"][0])
+        except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
+            raise StoreError(f"segment {name} is missing or damaged ({getattr(e, 'strerror', None) or e})") from None
         file = arr_dir.joinpath("c", *(["0"] * len(meta["shape"])))
         seg = _Segment(name=name, file=file, data_start=0, contiguous=False)
-        # The fast path reads rows straight from the shard file. It needs the layout
-        # write_segment writes: one shard, uncompressed page-sized inner chunks stored
-        # back to back in row order. Check that against the shard index; otherwise
-        # fall back to reading through zarr.
-        codecs = meta.get("codecs", [])
-        if len(codecs) != 1 or codecs[0].get("name") != "sharding_indexed":
-            return seg
-        conf = codecs[0]["configuration"]
-        inner = conf["codecs"]
-        endian = inner[0].get("configuration", {}).get("endian", "little") if inner else None
-        if [c["name"] for c in inner] != ["bytes"] or endian != "little":
-            return seg
-        page_size = self.settings.page_size
-        if conf["chunk_shape"][0] != page_size or meta["chunk_grid"]["configuration"]["chunk_shape"][0] != rows:
-            return seg
-        n_pages = rows // page_size
-        index_codecs = [c["name"] for c in conf.get("index_codecs", [])]
-        if index_codecs not in (["bytes"], ["bytes", "crc32c"]):
-            return seg
-        index_bytes = n_pages * 16 + (4 if "crc32c" in index_codecs else 0)
+        index_bytes = self._own_layout_index_bytes(meta, rows)
+        if index_bytes is None:
+            return seg  # another layout: read through zarr
+        n_pages = rows // self.settings.page_size
+        page_bytes = self.settings.page_size * self._row_bytes
+        expected_size = n_pages * page_bytes + index_bytes
         try:
             size = file.stat().st_size
             with open(file, "rb") as f:
-                if conf.get("index_location", "end") == "end":
+                if size != expected_size:
+                    raise StoreError(f"segment {name} is truncated: its shard holds {size:,} of {expected_size:,} "
+                                     "bytes" if size < expected_size else
+                                     f"segment {name} is damaged: its shard holds {size:,} bytes, not {expected_size:,}")
+                if meta["codecs"][0]["configuration"].get("index_location", "end") == "end":
                     f.seek(size - index_bytes)
                 raw = f.read(index_bytes)
         except OSError as e:
-            raise StoreError(f"store {self.root}: cannot read segment {name} ({e})") from None
+            raise StoreError(f"segment {name} cannot be read ({e.strerror}: {file})") from None
         index = np.frombuffer(raw[: n_pages * 16], dtype="<u8").reshape(n_pages, 2)
-        page_bytes = page_size * self._row_bytes
         expected = index[0, 0] + np.arange(n_pages, dtype=np.uint64) * np.uint64(page_bytes)
         if np.all(index[:, 1] == page_bytes) and np.array_equal(index[:, 0], expected):
             seg.data_start = int(index[0, 0])
@@ -204,11 +252,30 @@ class SegmentReader:
             seg.fd = os.open(file, os.O_RDONLY)
         return seg
 
+    def _own_layout_index_bytes(self, meta: dict, rows: int) -> int | None:
+        """The shard index's size when the segment has the layout write_segment writes (one
+        shard of uncompressed page-sized inner chunks, so its size is known); None otherwise."""
+        codecs = meta.get("codecs", [])
+        if len(codecs) != 1 or codecs[0].get("name") != "sharding_indexed":
+            return None
+        conf = codecs[0]["configuration"]
+        inner = conf["codecs"]
+        endian = inner[0].get("configuration", {}).get("endian", "little") if inner else None
+        if [c["name"] for c in inner] != ["bytes"] or endian != "little":
+            return None
+        page_size = self.settings.page_size
+        if conf["chunk_shape"][0] != page_size or meta["chunk_grid"]["configuration"]["chunk_shape"][0] != rows:
+            return None
+        index_codecs = [c["name"] for c in conf.get("index_codecs", [])]
+        if index_codecs not in (["bytes"], ["bytes", "crc32c"]):
+            return None
+        return rows // page_size * 16 + (4 if "crc32c" in index_codecs else 0)
 
-def _pread_into(fd: int, view: memoryview, offset: int, file: Path) -> None:
+
+def _pread_into(fd: int, view: memoryview, offset: int) -> None:
     done, total = 0, len(view)
     while done < total:
         n = os.preadv(fd, [view[done:]], offset + done)
         if n <= 0:
-            raise StoreError(f"{file}: unexpected end of file at byte {offset + done}")
+            raise StoreError(f"the segment file ends at byte {offset + done}, inside the chunk")
         done += n

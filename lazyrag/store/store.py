@@ -4,105 +4,131 @@
 Crash safety: a segment's data is written and fsynced first, then its catalog rows
 are committed in one transaction. A segment directory the catalog does not name is
 an orphan (a crash between the two steps): readers never see it, and opening the
-store for writing deletes it.
+store for writing deletes it (lazyrag/store/integrity.py says which directories qualify).
 """
 
 from __future__ import annotations
 
 import errno
-import fcntl
 import os
+import secrets
 import shutil
 import tempfile
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
 import torch
 import zarr
 
+from . import access
 from .catalog import Catalog, ChunkInfo, NewChunk
+from .compaction import CompactResult, compact_segments, disk_usage
 from .format import (
     ATTRS_KEY,
     CATALOG_FILE,
+    FORMAT_VERSION,
     LOCK_FILE,
-    SEGMENTS,
     StoreError,
     StoreMismatch,
     StoreSettings,
+    checksum,
     mismatch_message,
     read_root_attributes,
     root_attributes,
     storage_dtype,
 )
+from .integrity import CheckReport, Warn, check_store, delete_orphans, warn_stderr
+from .locks import take_exclusive_read_lock, take_read_lock, take_write_lock
+from .migration import upgrade
 from .runlog import RunLog
 from .segments import SegmentReader, fsync_path, fsync_tree, write_segment
 
 
 class Store:
-    """A lazyrag KV store. Use :meth:`create_or_open` to index, :meth:`open` to read."""
+    """A lazyrag KV store. Use :meth:`create_or_open` to index, :meth:`open` to read (or, with
+    ``write=True``, to maintain it)."""
 
-    def __init__(self, path: Path, settings: StoreSettings, attrs: dict, *, writable: bool, lock_fd: int | None):
+    def __init__(self, path: Path, settings: StoreSettings, attrs: dict, *, writable: bool,
+                 lock_fd: int | None, read_lock_fd: int | None = None, frozen: bool = False):
         self.path = path
         self.settings = settings
         self._attrs = attrs
-        self._writable = writable
+        self._writable, self._frozen = writable, frozen
+        self._lock_fd, self._read_lock_fd = lock_fd, read_lock_fd  # closed by close(), even if this fails
         self._storage = storage_dtype(settings.kv_dtype)
-        self._catalog = Catalog(path / CATALOG_FILE)
+        self._catalog = Catalog(path / CATALOG_FILE, writable=writable, frozen=frozen)
         self._run_log = RunLog(self._catalog)
         self._segments = SegmentReader(path, settings)
-        self._lock_fd = lock_fd  # last: a Store that failed to construct never closes it
+        self._store_id = self._catalog.meta("store_id")
 
     # -- opening -------------------------------------------------------------
 
     @classmethod
-    def create_or_open(cls, path: str | Path, settings: StoreSettings) -> Store:
+    def create_or_open(cls, path: str | Path, settings: StoreSettings, warn: Warn = warn_stderr) -> Store:
         """Open a store for appending, creating it if ``path`` does not exist.
 
         An existing store must have been built with the same settings (compat key);
-        otherwise :class:`StoreMismatch`. Orphan segments left by a crash are deleted.
-        Only one process may hold a store open for writing at a time.
+        otherwise :class:`StoreMismatch`. Only one process may hold a store open for
+        writing at a time; see :meth:`open` for what opening for writing does.
         """
         path = Path(path)
         if not (path / "zarr.json").exists():
             if path.exists() and (not path.is_dir() or any(path.iterdir())):
                 raise StoreError(f"{path} exists and is not a lazyrag store; choose another --store path")
             _create(path, settings)
-        lock_fd = _take_write_lock(path)
-        try:
-            attrs = read_root_attributes(path)
-            stored = StoreSettings.from_json(attrs["settings"])
-            if stored.compat_key() != settings.compat_key():
-                raise StoreMismatch(mismatch_message(path, stored, settings))
-            store = cls(path, stored, attrs, writable=True, lock_fd=lock_fd)
-        except BaseException:
-            os.close(lock_fd)
-            raise
-        try:
-            store._delete_orphans()
-        except BaseException:
-            store.close()
-            raise
-        return store
+        return cls.open(path, write=True, expect=settings, warn=warn)
 
     @classmethod
-    def open(cls, path: str | Path) -> Store:
-        """Open an existing store to read it (and to append run records)."""
+    def open(cls, path: str | Path, write: bool = False, expect: StoreSettings | None = None,
+             warn: Warn = warn_stderr) -> Store:
+        """Open an existing store to read it (and to save run records), holding the shared
+        read lock; or, with ``write``, holding the writer lock: a store of an older format is
+        upgraded in place and segments left by a crash are deleted (anything else unknown in
+        ``segments/`` is left alone and ``warn`` is told). ``expect``: settings the store must
+        have been built with. A store this process cannot write (``access.writable``) is read
+        as it is, and cannot be opened with ``write``."""
         path = Path(path)
         if not path.exists():
             raise StoreError(f"no store at {path}: build one with `lazyrag index CORPUS --store {path}`")
-        attrs = read_root_attributes(path)
-        return cls(path, StoreSettings.from_json(attrs["settings"]), attrs, writable=False, lock_fd=None)
+        attrs, _ = read_root_attributes(path)
+        if not write and attrs["format_version"] < FORMAT_VERSION:
+            raise StoreError(f"{path} has store format {attrs['format_version']}; upgrade it in place with "
+                             f"`lazyrag compact --store {path}` (or re-index into a new --store)")
+        can_write = access.writable(path)
+        if write and not can_write:
+            raise StoreError(f"{access.cannot_write(path)}; index and compact need a store they can change")
+        lock = take_write_lock(path) if write else take_read_lock(path, create=can_write)
+        store = None
+        try:
+            attrs, stored = read_root_attributes(path)  # as it is now that the lock is held
+            if expect is not None and stored.compat_key() != expect.compat_key():
+                raise StoreMismatch(mismatch_message(path, stored, expect))
+            store = cls(path, stored, attrs, writable=write, lock_fd=lock if write else None,
+                        read_lock_fd=None if write else lock, frozen=not can_write)
+            if write:
+                if attrs["format_version"] < FORMAT_VERSION:
+                    store._store_id = upgrade(path, store._catalog, store._segments)
+                delete_orphans(path, store._store_id, store._catalog.segment_names(), warn)
+        except BaseException:
+            if store is not None:
+                store.close()
+            elif lock is not None:
+                os.close(lock)
+            raise
+        return store
 
     def close(self) -> None:
-        """Close files and the catalog and release the write lock (idempotent)."""
+        """Close files and the catalog and release the locks (idempotent)."""
         try:
             self._segments.close()
             self._catalog.close()
         finally:
-            if self._lock_fd is not None:
-                os.close(self._lock_fd)
-                self._lock_fd = None
+            for name in ("_lock_fd", "_read_lock_fd"):
+                fd = getattr(self, name, None)
+                if fd is not None:
+                    os.close(fd)
+                    setattr(self, name, None)
 
     def __del__(self) -> None:
         try:
@@ -116,28 +142,35 @@ class Store:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _delete_orphans(self) -> None:
-        seg_dir = self.path / SEGMENTS
-        if not seg_dir.is_dir():
-            return
-        known = self._catalog.segment_names()
-        for child in seg_dir.iterdir():
-            if child.is_dir() and child.name not in known:
-                shutil.rmtree(child)
-
     # -- writing -------------------------------------------------------------
 
     def has_chunk(self, chunk_id: str) -> bool:
         return self._catalog.has_chunk(chunk_id)
 
-    def append(self, chunks: Sequence[NewChunk], kv: np.ndarray) -> None:
-        """Store the KV of ``chunks``: one new segment, durable, then one catalog commit.
+    def put_documents(self, chunks: Sequence[NewChunk]) -> None:
+        """Record documents' chunk lists: ``chunks`` holds every chunk of each document it
+        names (doc_id, ordinal). A document whose list changed gets a new version that
+        replaces the old one in one transaction, as soon as all its chunks are stored (now,
+        or in the :meth:`append` that stores its last one); until then readers see the old
+        version, or for a new document nothing. Chunks the old version alone used stay on
+        disk until :meth:`compact`."""
+        self._check_writable()
+        docs: dict[str, list[NewChunk]] = {}
+        for c in chunks:
+            docs.setdefault(c.doc_id, []).append(c)
+        self._catalog.put_documents(
+            {d: [c.chunk_id for c in sorted(cs, key=lambda c: c.ordinal)] for d, cs in docs.items()})
+
+    def append(self, chunks: Sequence[NewChunk], kv: np.ndarray, replace: Collection[str] = ()) -> None:
+        """Store the KV of ``chunks``: one new segment, durable, then one catalog commit,
+        which also publishes the documents (:meth:`put_documents`) whose last chunk it stores.
 
         ``kv`` has shape ``[sum of padded lengths, num_layers, 2, num_kv_heads,
         head_dim]`` in the storage dtype (``storage_dtype(kv_dtype)``; see
         ``kv_to_storage``); chunk i occupies its padded length of rows, in order.
-        Chunks already in the store (or repeated in ``chunks``) are not written
-        again, but their (doc_id, ordinal) references are recorded.
+        Chunks already in the store (or repeated in ``chunks``) are not written again,
+        except those in ``replace`` (damaged copies, see :meth:`check`), whose new copy
+        takes the old one's place. Each chunk's checksum is recorded with it.
         """
         self._check_writable()
         s = self.settings
@@ -158,7 +191,7 @@ class Store:
         if kv.shape != (row, *s.row_shape):
             raise StoreError(f"kv has shape {kv.shape}, expected {(row, *s.row_shape)} for these chunks")
 
-        taken = self._catalog.stored(c.chunk_id for c in chunks)
+        taken = self._catalog.stored(c.chunk_id for c in chunks) - set(replace)
         new_rows = []  # (chunk, source row, padded, segment offset)
         offset = 0
         for c, (src, padded) in zip(chunks, spans):
@@ -167,31 +200,35 @@ class Store:
             taken.add(c.chunk_id)
             new_rows.append((c, src, padded, offset))
             offset += padded
+        if not new_rows:
+            return
+        if offset == kv.shape[0]:
+            data = np.ascontiguousarray(kv)
+        else:
+            data = np.concatenate([kv[src : src + p] for _, src, p, _ in new_rows])
+        if data.dtype != self._storage:
+            data = data.astype(self._storage)
+        segment = write_segment(self.path, s, data, self._catalog.next_segment_seq(), self._store_id)
+        placed = [(c, off, p, checksum(data[off : off + p])) for c, _src, p, off in new_rows]
+        self._catalog.commit_append(segment, placed, offset, offset * s.row_bytes)
 
-        segment = None
-        if new_rows:
-            if offset == kv.shape[0]:
-                data = np.ascontiguousarray(kv)
-            else:
-                data = np.concatenate([kv[src : src + p] for _, src, p, _ in new_rows])
-            if data.dtype != self._storage:
-                data = data.astype(self._storage)
-            segment = write_segment(self.path, s, data, self._catalog.next_segment_seq())
-        placed = [(c, off, p) for c, _src, p, off in new_rows]
-        self._catalog.commit_append(chunks, segment, placed, offset, offset * s.row_bytes)
+    def check(self, verify: bool = True) -> CheckReport:
+        """Compare the catalog with the disk: missing and orphan chunks and segments, and with
+        ``verify`` (``lazyrag check``, ``index --verify``) corrupt chunks too, by reading every
+        chunk back against its checksum. Without it (``index``) only each segment's presence
+        and size are checked, so it costs nothing like a read of the store."""
+        return check_store(self.path, self._catalog, self._segments, self._store_id, verify)
 
-    def link(self, chunks: Sequence[NewChunk]) -> None:
-        """Record (doc_id, ordinal) -> chunk references without writing KV: for a
-        document whose chunks are stored already (shared with another document), or
-        are still on their way to the store. A reference shows in ``doc_chunks`` once
-        its chunk is stored. Its document counts in ``documents()`` at once."""
+    def compact(self, wait: bool = False) -> CompactResult:
+        """Reclaim the space of chunks no document references (``lazyrag compact``). Needs
+        the store opened with ``write=True`` and no reader: StoreBusy while one has it open,
+        unless ``wait``, which waits for them."""
         self._check_writable()
-        self._catalog.link(chunks)
-
-    def note_documents(self, doc_ids: Iterable[str]) -> None:
-        """Record document ids as seen (documents whose chunks all existed already)."""
-        self._check_writable()
-        self._catalog.note_documents(doc_ids)
+        fd = take_exclusive_read_lock(self.path, wait)
+        try:
+            return compact_segments(self.path, self.settings, self._catalog, self._segments, self._store_id)
+        finally:
+            os.close(fd)
 
     def _check_writable(self) -> None:
         if not self._writable:
@@ -207,19 +244,22 @@ class Store:
         return info
 
     def doc_chunks(self, doc_id: str) -> list[ChunkInfo]:
-        """A document's chunks, ordered by ordinal ([] for an unknown document)."""
+        """A document's chunks as its published version lists them, ordered by ordinal, read in
+        one transaction ([] for an unknown document; DocumentIncomplete for a document whose
+        first version is not stored whole yet)."""
         return self._catalog.doc_chunks(doc_id)
 
     def documents(self) -> list[str]:
-        """Document ids, in the order they were first recorded."""
+        """Ids of the documents readers can see, in the order they were first published."""
         return self._catalog.documents()
 
     def iter_chunks(self) -> Iterator[ChunkInfo]:
-        """Every stored chunk, in storage order (segment, then offset)."""
+        """The chunks of the documents readers can see, in storage order (segment, then offset)."""
         return self._catalog.iter_chunks()
 
     @property
     def num_chunks(self) -> int:
+        """Chunks stored, whether or not a document references them."""
         return self._catalog.num_chunks()
 
     def max_padded_length(self) -> int:
@@ -233,9 +273,12 @@ class Store:
 
     # -- run log and summary -----------------------------------------------------
 
-    def add_run(self, record: dict) -> None:
-        """Append one JSON record to the run log (atomic)."""
-        self._run_log.add(record)
+    def save_run(self, run_id: str, record: dict) -> None:
+        """Save run ``run_id``'s JSON record in the run log: the first save adds the run, later
+        ones replace its record (atomic). StoreError when the store cannot be written."""
+        if self._frozen:
+            raise StoreError(access.cannot_write(self.path))
+        self._run_log.save(run_id, record)
 
     def runs(self) -> list[dict]:
         """The run log, oldest first."""
@@ -250,8 +293,10 @@ class Store:
             "chunks": counts["chunks"],
             "tokens": counts["tokens"],
             "padded_tokens": counts["padded_tokens"],
+            "pending_documents": counts["pending_documents"],
+            "unreferenced_chunks": counts["unreferenced_chunks"],
             "kv_bytes": counts["padded_tokens"] * s.row_bytes,
-            "bytes": _disk_usage(self.path),
+            "bytes": disk_usage(self.path),
             "model": s.model,
             "fingerprint": s.fingerprint,
             "kv_dtype": s.kv_dtype,
@@ -271,7 +316,7 @@ def _create(path: Path, settings: StoreSettings) -> None:
     try:
         attrs = root_attributes(settings)
         zarr.open_group(str(tmp), mode="w", attributes={ATTRS_KEY: attrs})
-        Catalog.create(tmp / CATALOG_FILE, attrs["created"])
+        Catalog.create(tmp / CATALOG_FILE, attrs["created"], secrets.token_hex(16))
         (tmp / LOCK_FILE).touch()
         fsync_tree(tmp)
         try:
@@ -284,24 +329,3 @@ def _create(path: Path, settings: StoreSettings) -> None:
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _take_write_lock(path: Path) -> int:
-    fd = os.open(path / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise StoreError(f"{path} is being written by another process (lazyrag index); wait for it to finish") from None
-    return fd
-
-
-def _disk_usage(path: Path) -> int:
-    total = 0
-    for dirpath, _dirs, files in os.walk(path):
-        for name in files:
-            try:
-                total += os.lstat(os.path.join(dirpath, name)).st_blocks * 512
-            except OSError:
-                pass
-    return total

@@ -114,7 +114,7 @@ def test_a_second_run_on_the_same_answers_is_refused_before_the_model_loads(stor
 def test_out_that_is_a_directory_is_one_error_before_the_model_loads(store, tmp_path):
     queries = write_queries(tmp_path / "q.jsonl", {"id": "a", "question": "Rings?", "docs": ["saturn"]})
     res = answer(queries, store, tmp_path, "--model", tmp_path / "no-model")
-    assert res.exit_code == 1 and "is a directory" in res.stderr
+    assert res.exit_code == 2 and "is a directory" in res.stderr
     assert len(res.stderr.strip().splitlines()) == 1
 
 

@@ -43,7 +43,7 @@ def test_bad_corpus_line_names_file_and_line(tmp_path):
     corpus = tmp_path / "c.jsonl"
     corpus.write_text('{"id": "a", "text": "fine"}\n{"id": "b", "text": \n{"id": "c", "text": "also fine"}\n')
     res = cli("index", corpus, "--store", tmp_path / "s.zarr", "--model", "random:tiny", "--device", "cpu", "-q")
-    assert res.exit_code == 1
+    assert res.exit_code == 3
     assert f"{corpus}:2" in res.stderr
     res = cli("index", corpus, "--store", tmp_path / "s.zarr", "--model", "random:tiny", "--device", "cpu",
               "--skip-bad", "--json")
@@ -58,7 +58,7 @@ def test_other_model_refused_with_both_fingerprints(demo_store):
     stored = Store.open(demo_store).settings.fingerprint
     res = cli("index", DEMO / "corpus.jsonl", "--store", demo_store, "--model", "random:tiny", "--device", "cpu",
               "--dtype", "bf16", "--chunk-tokens", "256", "-q")
-    assert res.exit_code == 1
+    assert res.exit_code == 4
     assert stored[:12] in res.stderr.replace("\n", "")
 
 
@@ -93,7 +93,8 @@ def test_answer_reports_bad_lines_and_unknown_docs_and_answers_the_rest(demo_sto
     data = json.loads(stats.stdout)
     for key in ("documents", "chunks", "tokens", "bytes", "model", "fingerprint"):
         assert key in data["store"]
-    run = data["runs"][-1]
+    retry, run = data["runs"][-1], data["runs"][-2]
+    assert retry["queries"] == 0 and retry["failed"] == 1  # the second run retried the failed query
     assert run["mode"] == "lazy" and run["queries"] == 2
     for key in ("lookups", "hits", "misses", "hit_ratio"):
         assert key in run["cache"]

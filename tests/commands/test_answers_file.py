@@ -68,7 +68,3 @@ def test_a_second_writer_is_refused_while_the_first_holds_the_file(tmp_path):
     with AnswersFile(out, print):  # released on close
         pass
 
-
-def test_a_directory_is_refused(tmp_path):
-    with pytest.raises(AnswersFileError, match="is a directory"):
-        AnswersFile(tmp_path, print)

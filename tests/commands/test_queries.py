@@ -70,3 +70,10 @@ def test_chunk_ids_must_be_strings(tmp_path):
 def test_missing_queries_file_is_one_error(tmp_path):
     with pytest.raises(QueryError, match="cannot read the queries file"):
         list(read_queries(tmp_path / "nope.jsonl", print))
+
+
+def test_a_byte_order_mark_before_the_first_line_is_not_an_error(tmp_path):
+    path = tmp_path / "q.jsonl"
+    path.write_bytes(b'\xef\xbb\xbf{"id": "a", "question": "Why?"}\n')
+    notes: list[str] = []
+    assert [q.id for q in read_queries(path, notes.append)] == ["a"] and notes == []

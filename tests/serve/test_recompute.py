@@ -12,7 +12,7 @@ from lazyrag.config import IndexConfig
 from lazyrag.models.prompt import PromptFormat
 from lazyrag.serve import Engine, Request
 from lazyrag.serve.paged import PAGE
-from lazyrag.serve.recompute import Policy, Recompute, choose, head_order, pages_to_recompute
+from lazyrag.serve.recompute import DEFAULT_LAYER, Policy, Recompute, choose, head_order, pages_to_recompute
 from lazyrag.store import Store
 
 
@@ -139,3 +139,11 @@ def test_attention_policy_recomputes_the_pages_the_question_attends_to_most(page
         top = sorted(later, key=lambda r: -mass[r].item())[: len(p.recompute)]
         assert sorted(row for row, _ in p.recompute) == sorted(top)
         assert p.spare == []
+
+
+def test_ranking_layer_defaults_to_an_early_layer_that_the_model_has():
+    assert Recompute(0.1, Policy.ATTENTION).ranking_layer(30) == DEFAULT_LAYER
+    assert Recompute(0.1, Policy.ATTENTION).ranking_layer(2) == 1  # a shallower model: its last layer
+    assert Recompute(0.1, Policy.ATTENTION, layer=5).ranking_layer(30) == 5
+    with pytest.raises(ValueError, match="past the model's last layer"):
+        Recompute(0.1, Policy.ATTENTION, layer=5).ranking_layer(4)

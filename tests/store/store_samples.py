@@ -60,3 +60,9 @@ def rows_of(kv: np.ndarray, s: StoreSettings, chunks, i: int) -> np.ndarray:
 
 def as_bits(t: torch.Tensor) -> np.ndarray:
     return kv_to_storage(t).view(np.uint8)
+
+
+def add_documents(store, chunks, kv: np.ndarray) -> None:
+    """Record the documents of ``chunks`` and store their KV, as ``lazyrag index`` does."""
+    store.put_documents(chunks)
+    store.append(chunks, kv)

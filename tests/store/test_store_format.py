@@ -70,3 +70,17 @@ def test_settings_json_round_trip():
     assert StoreSettings.from_json(d) == s
     with pytest.raises(StoreError):
         settings(kv_dtype="int8")
+
+
+@pytest.mark.parametrize("change, says", [
+    ({"page_size": None}, "'page_size' is null, expected an integer"),
+    ({"num_layers": True}, "'num_layers' is a boolean, expected an integer"),
+    ({"chunking": []}, "'chunking' is a list, expected an object"),
+    ({"preamble_ids": [1, 2.5]}, "'preamble_ids' is a list, expected a list of integers"),
+    ({"fingerprint": ...}, "'fingerprint' is missing"),
+])
+def test_settings_from_json_name_a_missing_or_mistyped_setting(change, says):
+    d = {**settings().to_json(), **change}
+    d = {k: v for k, v in d.items() if v is not ...}
+    with pytest.raises(StoreError, match=says):
+        StoreSettings.from_json(d)

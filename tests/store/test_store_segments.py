@@ -11,7 +11,17 @@ import numpy as np
 import pytest
 import torch
 import zarr
-from store_samples import HEAD_DIM, HEADS, LAYERS, as_bits, make_chunks, random_kv, rows_of, settings
+from store_samples import (
+    HEAD_DIM,
+    HEADS,
+    LAYERS,
+    add_documents,
+    as_bits,
+    make_chunks,
+    random_kv,
+    rows_of,
+    settings,
+)
 
 from lazyrag.store import FORMAT_VERSION, SegmentReader, Store, StoreError, StoreSettings, torch_dtype
 
@@ -52,8 +62,8 @@ def test_read_kv_from_several_segments_and_reopen(tmp_path):
     b = make_chunks(s, "b", [33], seed=2)
     kva, kvb = random_kv(s, a, 1), random_kv(s, b, 2)
     with Store.create_or_open(path, s) as st:
-        st.append(a, kva)
-        st.append(b, kvb)
+        add_documents(st, a, kva)
+        add_documents(st, b, kvb)
     with Store.open(path) as st:
         assert st.settings == s
         assert st.documents() == ["a", "b"]
@@ -115,7 +125,7 @@ def test_zarr_fallback_read_and_repeated_chunk_in_one_append(tmp_path):
     twice = [c, dataclasses.replace(c, ordinal=1)]  # the same content twice in one document
     kv = np.concatenate([random_kv(s, [c], 4)] * 2)
     with Store.create_or_open(path, s) as st:
-        st.append(twice, kv)
+        add_documents(st, twice, kv)
         assert st.num_chunks == 1 and st.summary()["padded_tokens"] == 32
         assert [i.chunk_id for i in st.doc_chunks("a")] == [c.chunk_id, c.chunk_id]
         name = st.chunk(c.chunk_id).segment

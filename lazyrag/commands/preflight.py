@@ -1,0 +1,89 @@
+"""What `lazyrag index` checks before the model loads: the corpus can be read and holds
+documents, a chunk fits the model's context, and the disk can hold the store. A failure
+then costs a second, not a model load, and leaves no store fixed to settings that fail."""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import click
+
+from lazyrag.config import IndexConfig
+from lazyrag.corpus import CorpusStats, read_corpus
+from lazyrag.errors import ResourceError
+from lazyrag.models.loading import model_config, resolve_device, resolve_dtype
+from lazyrag.store import Store
+
+# Text bytes per token: about 4 for the BPE vocabularies of real models, 1 for a byte-level
+# vocabulary (the random presets'), which has no merges.
+BYTES_PER_TOKEN = 4
+BYTE_VOCAB = 512
+
+
+@dataclass(frozen=True)
+class CorpusScan:
+    documents: int
+    empty: int
+    bad: int
+    text_bytes: int
+
+
+@dataclass(frozen=True)
+class SizeEstimate:
+    tokens: int
+    kv_bytes: int  # the whole corpus's KV, page padding included
+    free_bytes: int
+    where: Path    # the directory whose filesystem holds the store
+
+
+def scan_corpus(cfg: IndexConfig) -> CorpusScan:
+    """Read the corpus once without the model: a bad input raises CorpusError now (unless
+    cfg.skip_bad; `index` reports those when it reads the corpus again)."""
+    stats = CorpusStats()
+    text_bytes = sum(len(doc.model_text.encode()) for doc in read_corpus(cfg.corpus, skip_bad=cfg.skip_bad,
+                                                                          stats=stats))
+    return CorpusScan(stats.documents, stats.empty_skipped, stats.bad_skipped, text_bytes)
+
+
+def check_index(cfg: IndexConfig, scan: CorpusScan) -> SizeEstimate:
+    """Refuse --chunk-tokens above the model's context (a usage error) and a store the disk
+    cannot hold (ResourceError, unless cfg.force); returns the size estimate."""
+    mc = model_config(cfg.model, cfg.trust_remote_code)
+    if cfg.chunk_tokens > mc.max_position_embeddings:
+        raise click.BadParameter(f"{cfg.chunk_tokens} is above the context of {cfg.model} "
+                                 f"({mc.max_position_embeddings} tokens); use at most that",
+                                 param_hint="'--chunk-tokens'")
+    dtype = resolve_dtype(cfg.dtype, resolve_device(cfg.device))
+    per_token = mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * dtype.itemsize
+    tokens = -(-scan.text_bytes // (1 if mc.vocab_size <= BYTE_VOCAB else BYTES_PER_TOKEN))
+    chunks = scan.documents + tokens // cfg.chunk_tokens
+    kv_bytes = (tokens + chunks * cfg.page_size) * per_token  # each chunk pads up to a page
+    where = _existing_ancestor(cfg.store)
+    estimate = SizeEstimate(tokens, kv_bytes, shutil.disk_usage(where).free, where)
+    need = kv_bytes - _stored_kv_bytes(cfg.store)
+    if not cfg.force and need > estimate.free_bytes:
+        raise ResourceError(
+            f"{cfg.store} needs about {_size(need)} for the KV of ~{tokens:,} tokens ({dtype}), but {where} "
+            f"has {_size(estimate.free_bytes)} free; free some space, choose another --store, or pass --force")
+    return estimate
+
+
+def _existing_ancestor(path: Path) -> Path:
+    path = path.absolute()
+    while not path.exists():
+        path = path.parent
+    return path
+
+
+def _stored_kv_bytes(path: Path) -> int:
+    """KV already in the store at `path` (re-indexing adds only what is missing)."""
+    if not (path / "zarr.json").exists():
+        return 0
+    with Store.open(path) as store:
+        return store.summary()["kv_bytes"]
+
+
+def _size(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"

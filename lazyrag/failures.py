@@ -1,0 +1,74 @@
+"""What the command line says when a command fails: one line and an exit code by class.
+
+2 usage (click's), 3 bad input, 4 store damaged or incompatible, 5 resources (disk,
+memory, a cache too small), 1 anything else. Only an unexpected error points at
+LAZYRAG_DEBUG=1, which prints its traceback; the others say all there is to say.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import sqlite3
+import traceback
+from dataclasses import dataclass
+
+from lazyrag.errors import InputError, ResourceError
+
+DEBUG_VAR = "LAZYRAG_DEBUG"
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+@dataclass(frozen=True)
+class Failure:
+    code: int
+    message: str  # one line
+
+
+def classify(exc: BaseException) -> Failure:
+    """The exit code and the one-line message of an exception that ended a command."""
+    from lazyrag.commands.answers_file import AnswersFileError
+    from lazyrag.models import ModelError
+    from lazyrag.serve.paged import OutOfPages
+    from lazyrag.store import StoreError
+
+    text = one_line(str(exc))
+    if isinstance(exc, InputError):
+        return Failure(3, text)
+    if isinstance(exc, StoreError):
+        return Failure(4, text)
+    if isinstance(exc, sqlite3.DatabaseError):  # the catalog file itself is damaged or unreadable
+        return Failure(4, f"cannot read the store's catalog ({text}); if the store is damaged, rebuild it with "
+                          "`lazyrag index` into a new --store")
+    if isinstance(exc, ResourceError):
+        return Failure(5, text)
+    if isinstance(exc, OutOfPages):
+        return Failure(5, f"the KV cache is too small: {text}")
+    if isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError":  # torch's, CPU or CUDA
+        return Failure(5, f"out of memory ({text or type(exc).__name__}); lower --batch-size or --cache-gb")
+    if isinstance(exc, OSError) and exc.errno in DISK_FULL:
+        return Failure(5, f"disk full{_os_where(exc)}; free some space and run again (finished work is kept)")
+    if isinstance(exc, (ModelError, AnswersFileError)):
+        return Failure(1, text)
+    if isinstance(exc, OSError):
+        return Failure(1, f"{exc.strerror or text}{_os_where(exc)} ({hint()})")
+    return Failure(1, f"{type(exc).__name__}: {text} ({hint()})")
+
+
+def one_line(message: str) -> str:
+    """A message of several lines as one."""
+    return " ".join(part.strip() for part in message.splitlines() if part.strip())
+
+
+def hint() -> str:
+    return f"run with {DEBUG_VAR}=1 for the traceback"
+
+
+def debug_traceback() -> None:
+    """The traceback of the exception being handled, on stderr, when LAZYRAG_DEBUG is set."""
+    if os.environ.get(DEBUG_VAR, "") not in ("", "0"):
+        traceback.print_exc()
+
+
+def _os_where(exc: OSError) -> str:
+    return f": {exc.filename}" if exc.filename else ""

@@ -1,0 +1,20 @@
+"""scripts/bench_store.py on the CPU with a tiny store: the benchmark itself must run and read
+every chunk it wrote (its numbers here mean nothing; docs/benchmarks.md has the real ones)."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_bench_store_reads_back_every_chunk_it_wrote(tmp_path):
+    cmd = [sys.executable, str(ROOT / "scripts" / "bench_store.py"), "--gib", "0.002", "--layers", "2",
+           "--kv-heads", "2", "--head-dim", "16", "--chunk-tokens", "64", "--chunks-per-segment", "16",
+           "--threads", "3", "--dir", str(tmp_path), "--json"]
+    run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    res = json.loads(run.stdout)
+    assert res["store"]["chunks"] >= 16 and res["store"]["bytes"] >= 0.002 * 2**30
+    for key in ("read_kv_seq_MBps", "read_kv_random_MBps", "read_kv_random_3threads_MBps", "read_kv_cached_MBps"):
+        assert res[key] > 0, key
