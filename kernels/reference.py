@@ -78,7 +78,9 @@ def _attend_plain(qb, mpos, k, v, kpos, valid, sm_scale):
     makes `full` mode tolerable on the CPU.
     """
     L, H, D = qb.shape
-    keep = valid.nonzero().squeeze(1)
+    # keys past the last query are visible to none (rows reserved for the answer); dropping them
+    # lets a whole prompt take the causal path
+    keep = (valid & (kpos <= mpos.max())).nonzero().squeeze(1)
     kpos, k, v = kpos[keep], k[keep], v[keep]
     qh, kh, vh = (x.to(torch.float32).transpose(0, 1)[None] for x in (qb, k, v))
     if kpos.shape[0] == L and torch.equal(kpos, mpos.long()):

@@ -60,8 +60,10 @@ class AnswerConfig:
     cuda_graphs: bool = True      # replay decode steps from CUDA graphs (GPU only)
     trust_remote_code: bool = False
     audit: int = 0                # queries of the run also answered in full, to measure the gap to it
-    recompute: float = 0.0        # share of the chunk pages after the first chunk recomputed per request
-    recompute_policy: str = "head"  # which pages: head (first pages of each chunk) or attention (the question's)
+    # share of the chunk pages after the first chunk recomputed per request, and which: the smallest
+    # share that closed half the gap to full on held-out questions (docs/quality.md)
+    recompute: float = 0.1
+    recompute_policy: str = "attention"  # head (first pages of each chunk) or attention (the question's)
     recompute_layer: int | None = None  # the layer ranking pages (attention policy); None: Recompute's default
     # APE's attention temperature and scale on the question's attention to the chunks (lazy, block); 1 = off
     ape_temperature: float = 1.0

@@ -70,7 +70,7 @@ def zipf_docs(rng: random.Random, alpha: float | None, n: int) -> list[list[str]
     return prompts
 
 
-def build_store(model: str, root: Path) -> tuple[Path, dict]:
+def build_store(model: str, root: Path, page_size: int) -> tuple[Path, dict]:
     from lazyrag.config import IndexConfig
     from lazyrag.commands.index import build_index
 
@@ -80,7 +80,7 @@ def build_store(model: str, root: Path) -> tuple[Path, dict]:
                               for i in range(DOCS)))
     store = root / (model.replace(":", "-") + ".zarr")
     result = build_index(IndexConfig(corpus=corpus, store=store, model=model, chunk_tokens=DOC_TOKENS,
-                                     batch_tokens=16384), progress=False)
+                                     batch_tokens=16384, page_size=page_size), progress=False)
     return store, result.to_json()
 
 
@@ -142,7 +142,7 @@ def batch_sweep(kw: dict, loaded, store, prompts, questions, cache_gb: float, ar
                 r = run(engine_args, loaded, store, mode, prompts[:n], questions[:n], cache_gb, bs)
             except Exception as exc:  # block's copies may not fit a large batch: say so
                 r = {"mode": mode, "batch_size": bs, "error": str(exc)[:120]}
-            r["recompute"] = fraction
+            r["recompute"], r["policy"], r["page_size"] = fraction, args.recompute_policy, args.page_size
             rows.append(r)
             out["batch_sweep"] = rows
             save(out)
@@ -152,20 +152,22 @@ def batch_sweep(kw: dict, loaded, store, prompts, questions, cache_gb: float, ar
 
 def sweep_table(results: list[dict]) -> str:
     """Each (mode, recompute) at its best batch size, with the ratios the claims rest on."""
-    lines = ["| model | mode | recompute | best batch | req/s | TTFT mean ms | req/s at each batch size |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| model | page | mode | recompute | best batch | req/s | TTFT mean ms | req/s at each batch size |",
+             "|---|---|---|---|---|---|---|---|"]
     for res in results:
         best = {}
         for r in res.get("batch_sweep", []):
-            key = (r["mode"], r["recompute"])
+            key = (r["mode"], r["recompute"], r.get("policy", "head") if r["recompute"] else "")
             best.setdefault(key, []).append(r)
-        for (mode, f), rows in best.items():
+        for (mode, f, policy), rows in best.items():
             ok = [r for r in rows if "req_per_s" in r]
             top = max(ok, key=lambda r: r["req_per_s"], default=None)
             each = ", ".join(f"{r['batch_size']}: {r['req_per_s']:.1f}" if "req_per_s" in r else
                              f"{r['batch_size']}: does not fit" for r in rows)
             if top:
-                lines.append(f"| {res['model'].split(':')[-1]} | {mode} | {f} | {top['batch_size']} | "
+                recompute = f"{f:g} {policy}" if f else "0"
+                lines.append(f"| {res['model'].split(':')[-1]} | {top.get('page_size', 64)} | {mode} | {recompute} | "
+                             f"{top['batch_size']} | "
                              f"{top['req_per_s']:.1f} | {top['ttft_ms']['mean']:.0f} | {each} |")
     return "\n".join(lines)
 
@@ -200,7 +202,7 @@ def bench_model(model: str, args, root: Path, save) -> dict:
     from lazyrag.store import Store
 
     t = time.perf_counter()
-    store_path, index = build_store(model, root)
+    store_path, index = build_store(model, root, args.page_size)
     index["wall_s"] = round(time.perf_counter() - t, 1)
     print(f"[{model}] indexed {index['tokens_total']:,} tokens in {index['seconds']}s", flush=True)
     loaded = load_model(model, "auto", "bf16" if has_cuda() else "fp32")
@@ -366,6 +368,8 @@ def plot(path: Path) -> None:
 
 def main() -> None:
     global DOCS, DOC_TOKENS
+    from lazyrag.config import IndexConfig
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="random:llama3.2-1b,random:llama3-8b")
     ap.add_argument("--requests", type=int, default=200)
@@ -397,6 +401,7 @@ def main() -> None:
                          "untimed pass over the same requests (a long-running server's steady state)")
     ap.add_argument("--eager-too", action="store_true",
                     help="after the closed Zipf rounds, time lazy and block once more without CUDA graphs")
+    ap.add_argument("--page-size", type=int, default=IndexConfig.page_size, help="the store's page size (tokens)")
     ap.add_argument("--docs", type=int, default=DOCS)
     ap.add_argument("--doc-tokens", type=int, default=DOC_TOKENS)
     ap.add_argument("--plot", type=Path, help="draw docs/cache_sweep.png from a results file and exit")

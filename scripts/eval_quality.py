@@ -20,7 +20,7 @@ configuration's figures are kept there, so an interrupted run resumes (a new --w
 removing its results/, measures again). Writes
 docs/results/quality-recompute.json (every figure) and docs/results/quality-recompute.md.
 
-Usage: python scripts/eval_quality.py [--data ../shared/data] [--musique-limit 150] [--news-limit 40]
+Usage: python scripts/eval_quality.py [--data ../shared/data] [--per-split 75] [--news-limit 40] [--grid 0.05,0.1]
 """
 
 from __future__ import annotations
@@ -37,13 +37,18 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 import transformers
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from lazyrag.commands.audit import answer_text
 from lazyrag.commands.index import build_index
 from lazyrag.commands.queries import read_queries, resolve_chunks
 from lazyrag.config import DEFAULT_MODEL, IndexConfig, Mode
-from lazyrag.eval.fidelity import FORCED_TOKENS, fidelity
+from lazyrag.eval.fidelity import FORCED_TOKENS, Fidelity, mean_logprob, token_kl, top1_matches
+from lazyrag.eval.scoring import agreement
+from lazyrag.kernels.rope import rope
 from lazyrag.models import LoadedModel, load_model
 from lazyrag.models.prompt import PromptFormat
 from lazyrag.serve import Engine, Recompute, Request
@@ -93,16 +98,21 @@ FULL = Config(Mode.FULL.value)
 LAZY = Config(Mode.LAZY.value)
 
 
-def grid(fractions: list[float]) -> list[Config]:
-    """The selection grid: lazy at every F with each policy (F=0 and F=1 once: there the policy
-    chooses nothing), block and APE at F=0."""
+def grid(points: list[tuple[str, float]]) -> list[Config]:
+    """The selection grid: lazy at F=0, block and APE there, then each (policy, F) point."""
     rows = [LAZY, Config(Mode.BLOCK.value)]
     if engine_has_ape():
         rows.append(Config(Mode.LAZY.value, ape=APE))
-    for f in fractions:
-        if 0 < f < 1:
-            rows += [Config(Mode.LAZY.value, f, p) for p in policies()]
-    return rows + [Config(Mode.LAZY.value, 1.0)] * (1.0 in fractions)
+    return rows + [Config(Mode.LAZY.value, f, p) for p, f in points]
+
+
+def parse_grid(text: str) -> list[tuple[str, float]]:
+    """"attention:0.05,head:0.2" -> [(policy, F)]; a bare F means every policy."""
+    points = []
+    for item in text.split(","):
+        policy, _, f = item.rpartition(":")
+        points += [(p, float(f)) for p in ([policy] if policy else policies())]
+    return points
 
 
 def at_default(default: Config, lean: bool) -> list[Config]:
@@ -129,8 +139,12 @@ def write_jsonl(path: Path, rows: list[dict]) -> None:
 
 
 def musique_queries(args) -> list[dict]:
+    """The selection half (questions 1-75) and the reported half (76-150), the first
+    --per-split of each."""
     src = args.data / "musique"
-    queries = jsonl(src / "queries.jsonl")[: args.musique_limit]
+    queries = jsonl(src / "queries.jsonl")
+    half = len(queries) // 2
+    queries = queries[:half][: args.per_split] + queries[half:][: args.per_split]
     needed = {d for q in queries for d in q["docs"]}
     write_jsonl(args.work / "musique-corpus.jsonl", [d for d in jsonl(src / "corpus.jsonl") if d["id"] in needed])
     return queries
@@ -185,62 +199,157 @@ def splits_of(corpus: str, queries: list[dict], loaded: LoadedModel, args, halve
     if not halves:
         return [Split(f"{corpus}-1-{len(reqs)}", f"news, {len(reqs)} questions", store, reqs, gold)]
     k = (len(reqs) + 1) // 2
-    return [Split(f"{corpus}-1-{k}", f"MuSiQue 1-{k} (selection)", store, reqs[:k], gold[:k]),
-            Split(f"{corpus}-{k + 1}-{len(reqs)}", f"MuSiQue {k + 1}-{len(reqs)}", store, reqs[k:], gold[k:])]
+    return [Split(f"{corpus}-select", f"MuSiQue questions 1-{k} (selection)", store, reqs[:k], gold[:k]),
+            Split(f"{corpus}-report", f"MuSiQue questions 76-{75 + len(reqs) - k}", store, reqs[k:], gold[k:])]
 
 
 # ---- measuring --------------------------------------------------------------------------------
 
-def gold_loglik(engine: Engine, split: Split) -> float | None:
-    if split.gold is None:
-        return None
-    lps = engine.continuation_logprobs(split.requests, split.gold)
-    return sum(lps) / len(lps)
+class DenseFull:
+    """Full attention over one prompt with a growing KV cache: the prompt is computed once and
+    serves full's greedy answer and the gold answer's forcing (the engine's `full` computes it
+    once per pass; on the CPU this is most of the script's time). Checked against the engine's
+    `full` on the first questions (`reference_check` in the results)."""
+
+    def __init__(self, loaded: LoadedModel):
+        self.model, self.scale = loaded.model, loaded.cfg.head_dim ** -0.5
+        self.keys: list[torch.Tensor | None] = [None] * loaded.cfg.num_layers
+        self.values: list[torch.Tensor | None] = [None] * loaded.cfg.num_layers
+        self.length = 0
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        q = rope(q.float(), self.positions, self.model.inv_freq).to(q.dtype)
+        prev_k, prev_v = self.keys[layer], self.values[layer]
+        keys = k if prev_k is None else torch.cat([prev_k, k])
+        values = v if prev_v is None else torch.cat([prev_v, v])
+        if self.commit:
+            self.keys[layer], self.values[layer] = keys, values
+        qh, kh, vh = (x.float().transpose(0, 1)[None] for x in (q, keys, values))
+        kwargs = {"is_causal": True} if prev_k is None else {
+            "attn_mask": torch.arange(len(keys))[None, :] <= self.positions[:, None]}
+        o = F.scaled_dot_product_attention(qh, kh, vh, scale=self.scale, enable_gqa=True, **kwargs)
+        return o[0].transpose(0, 1).to(q.dtype)
+
+    def forward(self, ids: list[int], commit: bool) -> torch.Tensor:
+        """Logits [len(ids), vocab] of `ids` fed after what is cached (kept if `commit`)."""
+        self.positions = torch.arange(self.length, self.length + len(ids))
+        self.commit = commit
+        hidden = self.model(torch.tensor(ids, device=self.model.inv_freq.device), self.positions.to(
+            self.model.inv_freq.device), self)
+        if commit:
+            self.length += len(ids)
+        return self.model.logits(hidden).float().cpu()
+
+
+def dense_reference(loaded: LoadedModel, prompt: list[int], gold: list[int] | None) -> dict:
+    """full's greedy answer (FORCED_TOKENS at most, EOS stops), its logits along it, and the
+    gold answer's mean log-probability per token."""
+    dense = DenseFull(loaded)
+    last = first = dense.forward(prompt, commit=True)[-1]
+    forced, logits = [], []
+    while len(forced) < FORCED_TOKENS:
+        token = int(last.argmax())
+        if token in loaded.eos_ids:
+            break
+        forced.append(token)
+        logits.append(last)
+        last = dense.forward([token], commit=True)[-1]
+    ll = None
+    if gold:
+        cut = dense.length - len(forced)
+        for i in range(len(dense.keys)):  # back to the prompt alone
+            dense.keys[i], dense.values[i] = dense.keys[i][:cut], dense.values[i][:cut]
+        dense.length = cut
+        gold_logits = torch.cat([first[None], dense.forward(gold[:-1], commit=False)]) if len(gold) > 1 else first[None]
+        ll = mean_logprob(gold_logits, gold)
+    return {"forced": forced, "logits": torch.stack(logits) if logits else torch.zeros(0, loaded.cfg.vocab_size),
+            "gold_loglik": ll}
+def full_prompt(split: Split, request: Request) -> list[int]:
+    """The prompt `full` computes: preamble, every chunk's tokens, the question."""
+    return [*split.store.settings.preamble_ids, *(t for c in request.chunks for t in c.token_ids), *request.question_ids]
 
 
 def reference(split: Split, loaded: LoadedModel, args) -> dict:
-    """full's greedy answers (ids), its logits along them and its gold log-likelihood (cached)."""
-    path = args.work / "results" / split.name / "full.pt"
-    if path.exists():
-        return torch.load(path)
-    t = time.perf_counter()
-    engine = FULL.engine(loaded, split.store, args)
-    try:
-        ids: dict[str, list[int]] = {}
-        engine.run(split.requests, lambda seq: ids.__setitem__(seq.id, seq.generated))
-        forced = [ids[r.id][:FORCED_TOKENS] for r in split.requests]
-        logits = engine.teacher_forced_logits(split.requests, forced)
-        ll = gold_loglik(engine, split)
-    finally:
-        engine.close()
-    ref = {"forced": forced, "answers": [answer_text(loaded, f) for f in forced], "logits": logits,
-           "gold_loglik": ll, "seconds": time.perf_counter() - t}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(ref, path)
+    """full's answers, logits along them and gold log-likelihoods, one cached file per question
+    (safetensors: tensors and JSON, no pickle)."""
+    folder = args.work / "results" / "full"
+    folder.mkdir(parents=True, exist_ok=True)
+    ref = {"forced": [], "answers": [], "logits": [], "gold": [], "seconds": 0.0}
+    for i, req in enumerate(split.requests):
+        path = folder / f"{req.id}.safetensors"
+        if not path.exists():
+            t = time.perf_counter()
+            one = dense_reference(loaded, full_prompt(split, req), split.gold[i] if split.gold else None)
+            meta = {"forced": one["forced"], "gold_loglik": one["gold_loglik"], "seconds": time.perf_counter() - t}
+            save_file({"logits": one["logits"].contiguous()}, path, metadata={"json": json.dumps(meta)})
+            print(f"full {req.id}: {meta['seconds']:.1f}s", flush=True)
+        with safe_open(path, "pt") as f:
+            meta = json.loads(f.metadata()["json"])
+            ref["logits"].append(f.get_tensor("logits"))
+        ref["forced"].append(meta["forced"])
+        ref["answers"].append(answer_text(loaded, meta["forced"]))
+        ref["gold"].append(meta["gold_loglik"])
+        ref["seconds"] += meta["seconds"]
+    ref["gold_loglik"] = None if split.gold is None else sum(ref["gold"]) / len(ref["gold"])
     return ref
 
 
-def measure(cfg: Config, split: Split, ref: dict, loaded: LoadedModel, args) -> dict:
-    """One configuration's figures on one split (cached)."""
-    path = args.work / "results" / split.name / f"{cfg.key}.json"
-    if path.exists():
-        return json.loads(path.read_text())
-    t = time.perf_counter()
-    engine = cfg.engine(loaded, split.store, args)
+def check_reference(split: Split, ref: dict, loaded: LoadedModel, args, n: int = 2) -> dict:
+    """The dense reference against the engine's `full` on the first n questions: the largest
+    logit difference and KL along full's answer (both fp32 on the same ids)."""
+    engine = FULL.engine(loaded, split.store, args)
     try:
-        ids: dict[str, list[int]] = {}
-        engine.run(split.requests, lambda seq: ids.__setitem__(seq.id, seq.generated))
-        answers = [answer_text(loaded, ids[r.id]) for r in split.requests]
-        logits = engine.teacher_forced_logits(split.requests, ref["forced"])
-        ll = gold_loglik(engine, split)
+        logits = engine.teacher_forced_logits(split.requests[:n], ref["forced"][:n])
     finally:
         engine.close()
-    row = {**asdict(cfg), **fidelity(ref["answers"], answers, ref["logits"], logits).to_json(),
-           "gold_loglik": ll, "seconds": round(time.perf_counter() - t, 1)}
-    path.write_text(json.dumps(row))
+    diff = max(float((a - b).abs().max()) for a, b in zip(ref["logits"][:n], logits) if len(a))
+    kl = max(float(token_kl(a, b).max()) for a, b in zip(ref["logits"][:n], logits) if len(a))
+    return {"questions": min(n, len(split.requests)), "max_abs_logit_diff": diff, "max_kl": kl}
+
+
+def measure(cfg: Config, split: Split, ref: dict, loaded: LoadedModel, args) -> dict:
+    """One configuration's figures on one split, cached per batch of questions."""
+    folder = args.work / "results" / split.name / cfg.key
+    folder.mkdir(parents=True, exist_ok=True)
+    per_question: list[dict] = []
+    engine = None
+    try:
+        for b in range(0, len(split.requests), args.batch_size):
+            path = folder / f"{b}.json"
+            if not path.exists():
+                engine = engine or cfg.engine(loaded, split.store, args)
+                path.write_text(json.dumps(measure_batch(engine, split, ref, loaded, b, args.batch_size)))
+            per_question += json.loads(path.read_text())
+    finally:
+        if engine is not None:
+            engine.close()
+    kl = [k for q in per_question for k in q["kl"]]
+    top1 = [t for q in per_question for t in q["top1"]]
+    same = agreement({i: q["answer"] for i, q in enumerate(per_question)}, dict(enumerate(ref["answers"])))
+    gold = [q["gold"] for q in per_question if q["gold"] is not None]
+    fid = Fidelity(queries=len(per_question), identical=same["identical"], f1_to_full=same["f1_to_full"],
+                   kl_mean=sum(kl) / len(kl) if kl else 0.0, top1_agreement=sum(top1) / len(top1) if top1 else 1.0,
+                   tokens=len(kl))
+    row = {**asdict(cfg), **fid.to_json(), "gold_loglik": sum(gold) / len(gold) if gold else None,
+           "seconds": round(sum(q["seconds"] for q in per_question), 1)}
     print(f"{split.name} {cfg.key}: KL {row['kl_mean']:.4f}, top-1 {row['top1_agreement']:.3f}, "
-          f"identical {row['identical']:.3f}, gold {ll if ll is None else round(ll, 4)}, {row['seconds']}s", flush=True)
+          f"identical {row['identical']:.3f}, gold {row['gold_loglik']}, {row['seconds']}s", flush=True)
     return row
+
+
+def measure_batch(engine: Engine, split: Split, ref: dict, loaded: LoadedModel, b: int, n: int) -> list[dict]:
+    """Per question of split.requests[b:b + n]: KL and top-1 per forced token, the greedy answer,
+    the gold log-likelihood, and the batch's seconds shared out."""
+    t = time.perf_counter()
+    reqs = split.requests[b: b + n]
+    ids: dict[str, list[int]] = {}
+    engine.run(reqs, lambda seq: ids.__setitem__(seq.id, seq.generated))
+    logits = engine.teacher_forced_logits(reqs, ref["forced"][b: b + n])
+    gold = engine.continuation_logprobs(reqs, split.gold[b: b + n]) if split.gold else [None] * len(reqs)
+    seconds = (time.perf_counter() - t) / len(reqs)
+    return [{"kl": token_kl(f, m).tolist(), "top1": top1_matches(f, m).tolist(), "answer": answer_text(loaded, ids[r.id]),
+             "gold": g, "seconds": seconds}
+            for r, f, m, g in zip(reqs, ref["logits"][b: b + n], logits, gold)]
 
 
 def gap_closed(rows: list[dict], ref: dict) -> None:
@@ -348,9 +457,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data", type=Path, default=ROOT.parent / "shared" / "data")
     ap.add_argument("--work", type=Path, default=Path("/tmp/lazyrag-quality"), help="stores and figures (resumable)")
-    ap.add_argument("--musique-limit", type=int, default=150)
+    ap.add_argument("--per-split", type=int, default=75, help="MuSiQue questions measured in each half")
     ap.add_argument("--news-limit", type=int, default=40)
-    ap.add_argument("--fractions", default="0,0.05,0.1,0.2,0.3,0.5,1.0", help="the recompute grid (comma-separated)")
+    ap.add_argument("--grid", default="0.05,0.1,0.2,0.3", help="recompute points, policy:F or F for every "
+                    "policy (comma-separated)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--cache-gb", type=float, default=5.0, help="page pool: 16 MuSiQue prompts of fp32 KV need ~5 GB")
@@ -358,15 +468,19 @@ def main() -> None:
                     "policies or APE there): for a slow CPU")
     args = ap.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
-    fractions = sorted({float(f) for f in args.fractions.split(",")})
+    points = parse_grid(args.grid)
 
     loaded = load_model(DEFAULT_MODEL, args.device)
     res = {"header": header(args), "splits": {}}
     select, report_musique = splits_of("musique", musique_queries(args), loaded, args, halves=True)
-    default, why = choose_default(run_split(select, grid(fractions), loaded, args, res))
+    check = args.work / "results" / "reference-check.json"
+    if not check.exists():
+        check.write_text(json.dumps(check_reference(select, reference(select, loaded, args), loaded, args)))
+    res["reference_check"] = json.loads(check.read_text())
+    default, why = choose_default(run_split(select, grid(points), loaded, args, res))
     res["default"] = {"fraction": default.fraction, "policy": default.policy, "why": why}
     reported = at_default(default, args.lean)
-    run_split(select, list(dict.fromkeys(grid(fractions) + reported)), loaded, args, res)  # grid rows are cached
+    run_split(select, list(dict.fromkeys(grid(points) + reported)), loaded, args, res)  # grid rows are cached
     (news,) = splits_of("news", news_queries(args), loaded, args, halves=False)
     for split in (report_musique, news):
         run_split(split, reported, loaded, args, res)

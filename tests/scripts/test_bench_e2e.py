@@ -37,12 +37,13 @@ def test_bench_e2e_batch_sweep_with_recompute(tmp_path):
     (tmp_path / "tmp").mkdir()
     cmd = [sys.executable, str(ROOT / "scripts" / "bench_e2e.py"), "--models", "random:tiny", "--docs", "6",
            "--doc-tokens", "160", "--requests", "6", "--full-requests", "3", "--cache-gb", "0.5",
-           "--recompute", "0.2", "--batch-sizes", "2,4"]
+           "--recompute", "0.2", "--batch-sizes", "2,4", "--page-size", "32"]
     run = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     rows = json.loads((tmp_path / "out" / "bench_e2e.json").read_text())["results"][0]["batch_sweep"]
     assert [(r["mode"], r["recompute"], r["batch_size"]) for r in rows] == [
         (m, f, b) for m, f in (("lazy", 0.0), ("full", 0.0), ("lazy", 0.2), ("block", 0.2)) for b in (2, 4)]
     assert all(r["requests"] == (3 if r["mode"] == "full" else 6) for r in rows)
-    assert "| tiny | block | 0.2 |" in run.stdout
+    assert all(r["page_size"] == 32 for r in rows)
+    assert "| tiny | 32 | block | 0.2 head |" in run.stdout
     assert list((tmp_path / "tmp").glob("lazyrag-e2e-*")) == []
