@@ -19,7 +19,7 @@ def test_reindexed_document_is_retrieved_by_its_new_text(tmp_path):
     index(store, corpus)
     with Store.open(store) as st:
         assert st.doc_chunks("a")[0].chunk_id in Retriever(st).top_k("molten basalt volcanoes", 1)
-    # same number of chunks, different text: the saved index must not be reused
+    # the document's text changed: retrieval must find the new chunk, not the replaced one
     write_jsonl(corpus, {"id": "a", "text": "Glaciers carve granite valleys slowly."},
                 {"id": "b", "text": "Penguins swim in cold southern seas."})
     index(store, corpus)
