@@ -15,8 +15,8 @@ from rich.console import Console
 from rich.markup import escape
 from typer.core import TyperGroup
 
-from lazyrag.config import (DEFAULT_MODEL, DEFAULT_STORE, DEVICES, PAGE_SIZES, AnswerConfig, IndexConfig,
-                            Mode)
+from lazyrag.config import (DEFAULT_MODEL, DEFAULT_STORE, DEVICES, PAGE_SIZES, ROUTINGS, AnswerConfig,
+                            IndexConfig, Mode)
 
 # one line per message, even when piped (no wrap at 80 columns); tables still fit the width
 out = Console(soft_wrap=True)
@@ -62,7 +62,9 @@ app = typer.Typer(
     help="Batch retrieval-augmented generation over a fixed corpus, with each chunk's KV computed once "
          "and reused at any position (deferred RoPE).",
 )
-StoreOpt = typer.Option(DEFAULT_STORE, "--store", "-s", help="The zarr store directory.")
+StoreOpt = typer.Option(DEFAULT_STORE, "--store", "-s", metavar="PATH|URL",
+                        help="The zarr store: a directory, or a URL on object storage (s3://BUCKET/PREFIX, gs://, "
+                             "az://) with credentials from the environment (AWS_ACCESS_KEY_ID, ...).")
 JsonOpt = typer.Option(False, "--json", help="Print one JSON object for scripts instead of tables.")
 DEVICE_HELP = f"{DEVICES} (auto: CUDA when present)."
 REMOTE_CODE_HELP = "Let transformers run code shipped with the model."
@@ -88,6 +90,22 @@ def _page_size(value: int) -> int:
     return value
 
 
+def _routing(value: str) -> str:
+    if value not in ROUTINGS:
+        raise typer.BadParameter(f"{value!r}: choose {' or '.join(ROUTINGS)}")
+    return value
+
+
+def _store(value: str):
+    """--store, parsed once for every command: a local Path, or a StoreURL on object storage."""
+    from lazyrag.store.location import store_location
+
+    try:
+        return store_location(value)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="'--store'") from None
+
+
 def _answers_path(value: Path) -> Path:
     if value.exists() and not value.is_file():
         raise typer.BadParameter(f"{value} is {'a directory' if value.is_dir() else 'not a regular file'}; "
@@ -109,7 +127,7 @@ def _quiet_libraries() -> None:
 def index(
     corpus: Path = typer.Argument(..., help="A directory (.txt, .md, .jsonl, recursively) or one .jsonl file "
                                             "with lines {\"id\", \"text\", \"title\"?}."),
-    store: Path = StoreOpt,
+    store: str = StoreOpt,
     model: str = typer.Option(IndexConfig.model, "--model", "-m",
                               help=f"{DEFAULT_MODEL}, a local Hugging Face model directory, or random:<preset>."),
     chunk_tokens: int = typer.Option(IndexConfig.chunk_tokens, min=16,
@@ -128,6 +146,9 @@ def index(
     verify: bool = typer.Option(IndexConfig.verify, "--verify",
                                 help="First read every stored chunk back against its checksum (as `lazyrag check` "
                                      "does) and encode corrupt ones again; reads the whole store."),
+    workers: int = typer.Option(IndexConfig.workers, min=1,
+                                help="Encoding processes, documents split between them: one per GPU (cuda:0..N-1), "
+                                     "or on the CPU each with its share of the threads."),
     as_json: bool = JsonOpt,
     quiet: bool = QuietOpt,
 ):
@@ -140,9 +161,10 @@ def index(
     from lazyrag.commands.index import build_index
     from lazyrag.commands.preflight import check_index, scan_corpus
 
-    cfg = IndexConfig(corpus=corpus, store=store, model=model, device=device, dtype=dtype,
+    cfg = IndexConfig(corpus=corpus, store=_store(store), model=model, device=device, dtype=dtype,
                       chunk_tokens=chunk_tokens, page_size=page_size, batch_tokens=batch_tokens,
-                      skip_bad=skip_bad, trust_remote_code=trust_remote_code, force=force, verify=verify)
+                      skip_bad=skip_bad, trust_remote_code=trust_remote_code, force=force, verify=verify,
+                      workers=workers)
     if as_json or quiet:
         _quiet_libraries()
     scan = scan_corpus(cfg)
@@ -169,7 +191,7 @@ def index(
 @app.command()
 def answer(
     queries: Path = typer.Argument(..., help='JSONL lines {"id", "question", "docs"?, "chunks"?, "answers"?}.'),
-    store: Path = StoreOpt,
+    store: str = StoreOpt,
     out_path: Path = typer.Option(AnswerConfig.out, "--out", "-o", callback=_answers_path,
                                   help="Answers JSONL, appended; ids already there are skipped (resume)."),
     mode: Mode = typer.Option(AnswerConfig.mode, help="lazy (shared chunk KV, deferred RoPE), block (per-request "
@@ -222,19 +244,32 @@ def answer(
     ape_scale: float = typer.Option(AnswerConfig.ape_scale, metavar="S",
                                     help="lazy and block only: APE's scale, ln S added to the question's logits to "
                                          "chunk keys (with --ape-temperature). 1 = off."),
+    data_parallel: int = typer.Option(AnswerConfig.data_parallel, min=1, metavar="N",
+                                      help="Answer with N engines, one per GPU, as actors on Ray (needs "
+                                           "lazyrag[ray]): a local Ray instance, or the cluster of --ray-address. "
+                                           "On a machine without GPUs (or with --device cpu), N CPU engines."),
+    ray_address: Optional[str] = typer.Option(AnswerConfig.ray_address, metavar="ADDR",
+                                              help="Join this Ray cluster (auto: the one this machine is in) and "
+                                                   "place the --data-parallel engines one per GPU across its nodes; "
+                                                   "every node must read the store at the same path (a shared file "
+                                                   "system) or on object storage."),
+    routing: str = typer.Option(AnswerConfig.routing, callback=_routing,
+                                help="How queries are spread over the engines: affinity (queries sharing chunks "
+                                     "on the same engine, balanced) or round-robin."),
     as_json: bool = JsonOpt,
     quiet: bool = QuietOpt,
 ):
     """Answer a file of questions from the store; one JSON line per answer, in finishing order."""
     from lazyrag.commands.answer import answer_file
 
-    cfg = AnswerConfig(queries=queries, store=store, out=out_path, mode=mode, model=model, top_k=top_k,
+    cfg = AnswerConfig(queries=queries, store=_store(store), out=out_path, mode=mode, model=model, top_k=top_k,
                        max_new_tokens=max_new_tokens, max_prompt_tokens=max_prompt_tokens, cache_gb=cache_gb,
                        host_cache_gb=host_cache_gb,
                        batch_size=batch_size, device=device, temperature=temperature, top_p=top_p,
                        seed=seed, trust_remote_code=trust_remote_code, cuda_graphs=cuda_graphs, audit=audit,
                        recompute=recompute, recompute_policy=recompute_policy, recompute_layer=recompute_layer,
-                       ape_temperature=ape_temperature, ape_scale=ape_scale)
+                       ape_temperature=ape_temperature, ape_scale=ape_scale, data_parallel=data_parallel,
+                       ray_address=ray_address, routing=routing)
     if as_json or quiet:
         _quiet_libraries()
     result = answer_file(cfg, report=lambda m: err.print(f"[yellow]warning:[/] {escape(m)}", highlight=False),
@@ -259,11 +294,11 @@ def answer(
 
 
 @app.command()
-def stats(store: Path = StoreOpt, as_json: bool = JsonOpt):
+def stats(store: str = StoreOpt, as_json: bool = JsonOpt):
     """Show the store, and each `answer` run's cache hit ratio, latency and quality."""
     from lazyrag.commands.stats import render_stats, stats_json
 
-    data = stats_json(store)
+    data = stats_json(_store(store))
     if as_json:
         print(json.dumps(data, indent=2))
     else:
@@ -271,7 +306,7 @@ def stats(store: Path = StoreOpt, as_json: bool = JsonOpt):
 
 
 @app.command()
-def check(store: Path = StoreOpt, as_json: bool = JsonOpt):
+def check(store: str = StoreOpt, as_json: bool = JsonOpt):
     """Read every chunk back against its checksum and compare the catalog with the disk.
 
     Exits 4 when the store is damaged: a corrupt chunk (checksum mismatch),
@@ -282,18 +317,19 @@ def check(store: Path = StoreOpt, as_json: bool = JsonOpt):
     """
     from lazyrag.commands.check import render_check, run_check
 
-    report = run_check(store)
+    location = _store(store)
+    report = run_check(location)
     if as_json:
         print(json.dumps(report.to_json()))
     else:
-        render_check(report, store, out)
+        render_check(report, location, out)
     if not report.ok:
         raise typer.Exit(4)  # the store is damaged
 
 
 @app.command()
 def compact(
-    store: Path = StoreOpt,
+    store: str = StoreOpt,
     wait: bool = typer.Option(False, "--wait", help="Wait for answer or stats runs reading the store to finish "
                                                     "instead of refusing."),
     as_json: bool = JsonOpt,
@@ -304,7 +340,7 @@ def compact(
     """
     from lazyrag.commands.compact import describe, run_compact
 
-    result = run_compact(store, wait)
+    result = run_compact(_store(store), wait)
     if as_json:
         print(json.dumps(result.to_json()))
     else:

@@ -5,12 +5,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from lazyrag.store.location import StoreURL
 
 DEFAULT_STORE = Path("lazyrag.zarr")
 # SmolLM2-135M-Instruct, shipped on PyPI as a GGUF file (lazyrag/models/loading.py fetches it)
 DEFAULT_MODEL = "smollm2-135m"
 PAGE_SIZES = (16, 32, 64, 128)  # what the attention kernels take (a power of two in 16..128)
 DEVICES = "auto, cpu, cuda or cuda:N"
+ROUTINGS = ("affinity", "round-robin")  # how `answer --data-parallel` spreads queries (lazyrag/parallel/router.py)
 
 
 class Mode(StrEnum):
@@ -24,7 +29,7 @@ class Mode(StrEnum):
 @dataclass
 class IndexConfig:
     corpus: Path
-    store: Path = DEFAULT_STORE
+    store: Path | StoreURL = DEFAULT_STORE  # a directory, or object storage (lazyrag/store/location.py)
     model: str = DEFAULT_MODEL
     device: str = "auto"
     dtype: str = "auto"
@@ -37,12 +42,13 @@ class IndexConfig:
     trust_remote_code: bool = False
     force: bool = False           # index even when the store's size estimate exceeds the free disk
     verify: bool = False          # read every stored chunk back against its checksum first
+    workers: int = 1              # encoding processes: one per GPU, or CPU processes sharing the threads
 
 
 @dataclass
 class AnswerConfig:
     queries: Path
-    store: Path = DEFAULT_STORE
+    store: Path | StoreURL = DEFAULT_STORE
     out: Path = Path("answers.jsonl")
     mode: Mode = Mode.LAZY
     model: str | None = None      # None: the model the store records
@@ -68,6 +74,10 @@ class AnswerConfig:
     # APE's attention temperature and scale on the question's attention to the chunks (lazy, block); 1 = off
     ape_temperature: float = 1.0
     ape_scale: float = 1.0
+    # engine actors on Ray (lazyrag/parallel/): 1 engine without an address is the plain in-process path
+    data_parallel: int = 1
+    ray_address: str | None = None  # None: a local Ray instance when data_parallel > 1
+    routing: str = "affinity"       # one of ROUTINGS
 
     def __post_init__(self):
         self.mode = Mode(self.mode)  # scripts may pass the plain name

@@ -28,11 +28,14 @@ class Failure:
 def classify(exc: BaseException) -> Failure:
     """The exit code and the one-line message of an exception that ended a command."""
     from lazyrag.commands.answers_file import AnswersFileError
+    from lazyrag.commands.index_workers import WorkerFailed
     from lazyrag.models import ModelError
     from lazyrag.serve.paged import OutOfPages
     from lazyrag.store import StoreError
 
     text = one_line(str(exc))
+    if isinstance(exc, WorkerFailed):  # classified in the worker already
+        return Failure(exc.code, text)
     if isinstance(exc, InputError):
         return Failure(3, text)
     if isinstance(exc, StoreError):

@@ -1,8 +1,9 @@
 """BM25 retrieval of chunks for queries that name no documents.
 
 The index is built once from the store's chunk texts and kept beside it (in
-`<store>/bm25/`, plain numpy and JSON, no pickle); it is rebuilt when the store's
-set of visible chunks changes. On a store that cannot be written it lives in memory.
+`<store>/bm25/`, or beside the local catalog of a store on object storage; plain numpy and
+JSON, no pickle); it is rebuilt when the store's set of visible chunks changes. On a store
+that cannot be written it lives in memory.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from lazyrag.store import Store
 
 class Retriever:
     def __init__(self, store: Store):
-        self.path = store.path / "bm25"
+        self.path = store.local_dir / "bm25"
         chunks = list(store.iter_chunks())
         self.chunk_ids = [c.chunk_id for c in chunks]
         # every id, not a count: a re-indexed document changes the set but maybe not its size

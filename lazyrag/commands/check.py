@@ -9,14 +9,15 @@ from rich.console import Console
 from rich.markup import escape
 
 from lazyrag.store import CheckReport, Store
+from lazyrag.store.location import StoreURL
 
 
-def run_check(store_path: Path) -> CheckReport:
+def run_check(store_path: Path | StoreURL) -> CheckReport:
     with Store.open(store_path) as store:
         return store.check()
 
 
-def render_check(report: CheckReport, store_path: Path, console: Console) -> None:
+def render_check(report: CheckReport, store_path: Path | StoreURL, console: Console) -> None:
     """One line per problem, then a verdict that says what to do."""
     for row in report.corrupt:
         console.print(f"corrupt: chunk {row['chunk']} in segment {row['segment']}", highlight=False)

@@ -7,9 +7,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from lazyrag.store import CompactResult, Store
+from lazyrag.store.location import StoreURL
 
 
-def run_compact(store_path: Path, wait: bool = False) -> CompactResult:
+def run_compact(store_path: Path | StoreURL, wait: bool = False) -> CompactResult:
     with Store.open(store_path, write=True) as store:
         return store.compact(wait=wait)
 

@@ -4,7 +4,8 @@ Each chunk is encoded once, after the store's preamble, at chunk-local positions
 (P .. P+L-1): it attends to the preamble and to itself. Its keys are stored rotated
 at those positions, so the engine can later place it at any offset by shifting the
 query's rotation instead of touching the keys. Many chunks share one forward pass;
-a writer thread appends finished batches to the store while the next batch runs.
+writer threads store finished batches while the next batch runs. With `--workers N`
+(lazyrag/commands/index_workers.py) N processes run this encode loop, each over its share.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -24,6 +25,8 @@ from lazyrag.models import LoadedModel, load_model
 from lazyrag.models.prompt import PromptFormat
 from lazyrag.serve.paged import Feed, PagedAttention, PagePool, StepInputs, page_rows
 from lazyrag.store import NewChunk, Store, StoreSettings, chunk_id_for, kv_to_storage
+
+WriteBatch = Callable[[list[NewChunk], np.ndarray], None]  # a batch's chunks and KV (storage dtype)
 
 ENCODING = {"attend": "preamble+self", "positions": "chunk-local after preamble"}
 
@@ -127,13 +130,13 @@ class ChunkEncoder:
                 self.pool.release(p)
 
 
-class StoreWriter:
-    """Appends batches on writer threads behind a bounded queue, so compute never waits on
+class BatchWriter:
+    """Stores batches on writer threads behind a bounded queue, so compute never waits on
     disk. Each batch becomes its own segment, so several can be written at once: while one
     thread waits for fsync, another copies its batch off the GPU and writes."""
 
-    def __init__(self, store: Store, threads: int = 3, replace: frozenset[str] | set[str] = frozenset()):
-        self.store, self.replace = store, replace
+    def __init__(self, write: WriteBatch, threads: int = 3):
+        self.write = write
         self.queue: queue.Queue = queue.Queue(maxsize=threads)
         self.error: BaseException | None = None
         self.threads = [threading.Thread(target=self._run, name=f"lazyrag-writer-{i}", daemon=True)
@@ -147,7 +150,7 @@ class StoreWriter:
                 try:
                     chunks, kv = item
                     # the device-to-host copy happens here too, off the compute thread
-                    self.store.append(chunks, kv_to_storage(kv), replace=self.replace)
+                    self.write(chunks, kv_to_storage(kv))
                 except BaseException as exc:  # reported on the main thread
                     self.error = exc
 
@@ -167,57 +170,76 @@ class StoreWriter:
             raise self.error
 
 
-def build_index(cfg: IndexConfig, report=print, progress: bool = True, loaded: LoadedModel | None = None) -> IndexResult:
-    """Index cfg.corpus into cfg.store (`loaded`: an already loaded cfg.model, to skip loading)."""
-    t0 = time.perf_counter()
-    loaded = loaded or load_model(cfg.model, cfg.device, cfg.dtype, cfg.trust_remote_code)
-    settings = store_settings(loaded, cfg.model, cfg.chunk_tokens, cfg.page_size)
-    with Store.create_or_open(cfg.store, settings) as store:
-        return _index_into(store, loaded, settings, cfg, report, progress, t0)
+def encode_chunks(loaded: LoadedModel, settings: StoreSettings, chunks: list[NewChunk], batch_pages: int,
+                  write: WriteBatch, on_batch: Callable[[list[NewChunk]], None] = lambda batch: None) -> None:
+    """Encode ``chunks`` in forward passes of ``batch_pages`` pages and hand each batch's KV to
+    ``write`` on writer threads; ``on_batch`` hears of each batch once it is encoded."""
+    if not chunks:
+        return
+    encoder = ChunkEncoder(loaded, list(settings.preamble_ids), settings.page_size, batch_pages)
+    writer = BatchWriter(write)
+    try:
+        for batch in page_batches(chunks, batch_pages, settings.page_size):
+            writer.put(batch, encoder.encode([list(c.token_ids) for c in batch]))
+            on_batch(batch)
+    finally:
+        writer.close()
 
 
-def _index_into(store: Store, loaded: LoadedModel, settings: StoreSettings, cfg: IndexConfig, report,
-                progress: bool, t0: float) -> IndexResult:
-    # Chunks in missing or truncated segments (with --verify: any whose data fails its checksum)
-    # are encoded again. Reading every chunk back would cost a full read of the store each run.
-    damaged = store.check(verify=cfg.verify).damaged_chunk_ids
-    # Chunk the whole corpus first: cheap next to the model, and it gives the bar a total.
-    stats = CorpusStats()
+def plan(store: Store, documents: dict[str, list[NewChunk]], verify: bool) -> tuple[set[str], dict[str, NewChunk]]:
+    """Record each document's chunk list in ``store`` and return the damaged chunks and the chunks
+    to encode (by id, each once): those not stored yet and the damaged ones. Damaged: chunks in
+    missing or truncated segments, with ``verify`` also those whose data fails its checksum
+    (reading every chunk back would cost a full read of the store each run)."""
+    damaged = store.check(verify=verify).damaged_chunk_ids
     todo: dict[str, NewChunk] = {}
-    documents: dict[str, list[NewChunk]] = {}
-    for doc in read_corpus(cfg.corpus, skip_bad=cfg.skip_bad, report=report, stats=stats):
-        documents[doc.id] = stored_chunks(doc, loaded.tokenizer, settings)
-        for new in documents[doc.id]:
+    for chunks in documents.values():
+        for new in chunks:
             # the same text elsewhere is stored once, referenced by both documents
             if new.chunk_id not in todo and (new.chunk_id in damaged or not store.has_chunk(new.chunk_id)):
                 todo[new.chunk_id] = new
     # each document's new chunk list becomes visible with its last chunk, replacing the old one
     store.put_documents([c for chunks in documents.values() for c in chunks])
+    return damaged, todo
 
-    batch_pages = pages_per_batch(cfg, settings)
-    tokens_added = sum(len(c.token_ids) for c in todo.values())
-    if todo:
-        encoder = ChunkEncoder(loaded, list(settings.preamble_ids), cfg.page_size, batch_pages)
-        writer = StoreWriter(store, replace=damaged)
-        bar = _ProgressBar(len(todo), progress)
+
+def build_index(cfg: IndexConfig, report=print, progress: bool = True, loaded: LoadedModel | None = None) -> IndexResult:
+    """Index cfg.corpus into cfg.store (`loaded`: an already loaded cfg.model, to skip loading;
+    with cfg.workers above 1 each worker loads its own)."""
+    t0 = time.perf_counter()
+    if cfg.workers > 1:
+        from lazyrag.commands.index_workers import index_with_workers
+
+        return index_with_workers(cfg, report, progress, t0)
+    loaded = loaded or load_model(cfg.model, cfg.device, cfg.dtype, cfg.trust_remote_code)
+    settings = store_settings(loaded, cfg.model, cfg.chunk_tokens, cfg.page_size)
+    with Store.create_or_open(cfg.store, settings) as store:
+        # Chunk the whole corpus first: cheap next to the model, and it gives the bar a total.
+        stats = CorpusStats()
+        documents = {doc.id: stored_chunks(doc, loaded.tokenizer, settings)
+                     for doc in read_corpus(cfg.corpus, skip_bad=cfg.skip_bad, report=report, stats=stats)}
+        damaged, todo = plan(store, documents, cfg.verify)
+        bar = ProgressBar(len(todo), progress)
         try:
-            for batch in page_batches(list(todo.values()), batch_pages, cfg.page_size):
-                kv = encoder.encode([list(c.token_ids) for c in batch])
-                writer.put(batch, kv)
-                bar.update(len(batch), sum(len(c.token_ids) for c in batch))
+            encode_chunks(loaded, settings, list(todo.values()), pages_per_batch(cfg, settings),
+                          lambda chunks, kv: store.append(chunks, kv, replace=damaged), bar.update)
         finally:
-            writer.close()
             bar.close()
+        return index_result(cfg, store, todo, damaged, stats, t0)
+
+
+def index_result(cfg: IndexConfig, store: Store, todo: dict[str, NewChunk], damaged: set[str], stats: CorpusStats,
+                 t0: float) -> IndexResult:
     summary = store.summary()
     return IndexResult(
-        store=str(cfg.store), chunks_added=len(todo), chunks_total=summary["chunks"], tokens_added=tokens_added,
-        tokens_total=summary["tokens"], documents_total=summary["documents"], documents_empty=stats.empty_skipped,
-        bad_skipped=stats.bad_skipped, seconds=round(time.perf_counter() - t0, 3),
-        chunks_repaired=len(damaged & todo.keys()),
+        store=str(cfg.store), chunks_added=len(todo), chunks_total=summary["chunks"],
+        tokens_added=sum(len(c.token_ids) for c in todo.values()), tokens_total=summary["tokens"],
+        documents_total=summary["documents"], documents_empty=stats.empty_skipped, bad_skipped=stats.bad_skipped,
+        seconds=round(time.perf_counter() - t0, 3), chunks_repaired=len(damaged & todo.keys()),
     )
 
 
-class _ProgressBar:
+class ProgressBar:
     """tqdm over chunks, with tokens/s beside it (stderr; silent when progress is off)."""
 
     def __init__(self, chunks: int, enabled: bool):
@@ -225,12 +247,13 @@ class _ProgressBar:
 
         self.t0 = time.perf_counter()
         self.tokens = 0
-        self.tqdm = tqdm(total=chunks, unit="chunk", desc="index", disable=not enabled, dynamic_ncols=True)
+        self.tqdm = tqdm(total=chunks, unit="chunk", desc="index", disable=not (enabled and chunks),
+                         dynamic_ncols=True)
 
-    def update(self, chunks: int, tokens: int) -> None:
-        self.tokens += tokens
+    def update(self, chunks: list[NewChunk]) -> None:
+        self.tokens += sum(len(c.token_ids) for c in chunks)
         self.tqdm.set_postfix_str(f"{self.tokens / (time.perf_counter() - self.t0):,.0f} tok/s", refresh=False)
-        self.tqdm.update(chunks)
+        self.tqdm.update(len(chunks))
 
     def close(self) -> None:
         self.tqdm.close()

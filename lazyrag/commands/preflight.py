@@ -10,6 +10,7 @@ from pathlib import Path
 
 import click
 
+from lazyrag.commands.index_workers import worker_devices
 from lazyrag.config import IndexConfig
 from lazyrag.corpus import CorpusStats, read_corpus
 from lazyrag.errors import ResourceError
@@ -47,14 +48,18 @@ def scan_corpus(cfg: IndexConfig) -> CorpusScan:
     return CorpusScan(stats.documents, stats.empty_skipped, stats.bad_skipped, text_bytes)
 
 
-def check_index(cfg: IndexConfig, scan: CorpusScan) -> SizeEstimate:
-    """Refuse --chunk-tokens above the model's context (a usage error) and a store the disk
-    cannot hold (ResourceError, unless cfg.force); returns the size estimate."""
+def check_index(cfg: IndexConfig, scan: CorpusScan) -> SizeEstimate | None:
+    """Refuse --chunk-tokens above the model's context and more --workers than GPUs (usage
+    errors), and a store the disk cannot hold (ResourceError, unless cfg.force); returns the
+    size estimate (None for a store on object storage: no local disk to fill)."""
+    worker_devices(cfg.device, cfg.workers)
     mc = model_config(cfg.model, cfg.trust_remote_code)
     if cfg.chunk_tokens > mc.max_position_embeddings:
         raise click.BadParameter(f"{cfg.chunk_tokens} is above the context of {cfg.model} "
                                  f"({mc.max_position_embeddings} tokens); use at most that",
                                  param_hint="'--chunk-tokens'")
+    if not isinstance(cfg.store, Path):
+        return None
     dtype = resolve_dtype(cfg.dtype, resolve_device(cfg.device))
     per_token = mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * dtype.itemsize
     tokens = -(-scan.text_bytes // (1 if mc.vocab_size <= BYTE_VOCAB else BYTES_PER_TOKEN))

@@ -102,3 +102,22 @@ def resolve_chunks(store: Store, q: Query, retriever, top_k: int) -> list[ChunkI
             raise StoreError(f"unknown doc ids: {', '.join(missing)}")
         return [c for d in q.docs for c in store.doc_chunks(d)]
     return [store.chunk(cid) for cid in retriever.top_k(q.question, top_k)]
+
+
+class ChunkResolver:
+    """The chunks of each query of a run (resolve_chunks), the BM25 retriever built when the
+    first query that names no docs or chunks needs it."""
+
+    def __init__(self, store: Store, top_k: int):
+        self.store, self.top_k = store, top_k
+        self._retriever = None
+
+    def chunks(self, q: Query) -> list[ChunkInfo]:
+        """StoreError, saying why, for a query that cannot be answered from the store."""
+        if not q.chunks and not q.docs and self._retriever is None:
+            if self.store.num_chunks == 0:
+                raise StoreError("the store holds no chunks to retrieve from; index a corpus first")
+            from lazyrag.retrieve import Retriever  # bm25s loads only when a query needs it
+
+            self._retriever = Retriever(self.store)
+        return resolve_chunks(self.store, q, self._retriever, self.top_k)

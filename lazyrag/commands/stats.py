@@ -8,9 +8,10 @@ from rich.console import Console
 from rich.table import Table
 
 from lazyrag.store import Store
+from lazyrag.store.location import StoreURL
 
 
-def stats_json(store_path: Path) -> dict:
+def stats_json(store_path: Path | StoreURL) -> dict:
     with Store.open(store_path) as store:
         runs, summary = store.runs(), store.summary()
     return {"path": str(store_path), "store": summary, "runs": runs, "overall": overall(runs)}
@@ -72,6 +73,12 @@ def runs_table(runs: list[dict], console: Console) -> None:
                   str(c["evictions"]), _gb(c["bytes_read"]), _gb(c["bytes_to_gpu"]),
                   f"{c['peak_pages']}/{c['pool_pages']}")
     console.print(t)
+    for i, r in enumerate(runs, 1):
+        for e in r.get("engines", []):  # runs of `answer --data-parallel`: a line per engine
+            restarts = f", restarted {e['restarts']}x" if e["restarts"] else ""
+            console.print(f"#{i} engine {e['engine']} ({e['device']} on {e['node']}): {e['queries']} queries, "
+                          f"hit ratio {e['hit_ratio']:.1%}, TTFT p50 {_ms(e['ttft_ms'], 'p50')} ms, "
+                          f"{_gb(e['cache']['bytes_read'])} read{restarts}", highlight=False)
     if any("audit" in r for r in runs):
         audit_table(runs, console)
 

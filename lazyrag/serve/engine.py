@@ -50,7 +50,7 @@ class Engine:
         self.cache = ChunkCache(self.pool, ChunkLoader(store, self.pool, host_cache_bytes))
         self.runner = Runner(loaded, self.pool, mode_class.rotate_queries, ape)
         self.mode = mode_class(s.preamble_ids, s.page_size, self.runner.rotate_copy, recompute)
-        self.sampler = Sampler(sampling, self.device)
+        self.sampler = Sampler(sampling)
         self.stop_ids = loaded.eos_ids if stop_at_eos else set()  # benchmarks fix the answer length
         preamble = self.mode.place_preamble(self.cache)
         if preamble is not None:  # its queries sit at their own positions: no per-page rotation
@@ -71,7 +71,8 @@ class Engine:
             if step.prefill:
                 self._choose_recompute(step.batch)
             logits = self.runner.prefill(step.batch) if step.prefill else self.runner.decode(step.batch)
-            next_ids = self.sampler.sample(logits).tolist()  # one sync per step
+            next_ids = self.sampler.sample(logits, [seq.id for seq in step.batch],
+                                           [len(seq.generated) for seq in step.batch]).tolist()  # one sync per step
             now = time.perf_counter()
             for seq, token in zip(step.batch, next_ids):
                 seq.accept(token, now, self.stop_ids)

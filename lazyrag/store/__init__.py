@@ -4,7 +4,9 @@ format.py holds the settings, chunk ids, checksums, on-disk layout and errors; c
 the SQLite catalog; segments.py the segment files; locks.py the writer and reader locks;
 integrity.py the check and the orphan clean-up; compaction.py compaction; migration.py the
 upgrade of older stores; runlog.py the run log; access.py whether a store can be written;
-store.py the ``Store`` that composes them.
+store.py the ``Store`` that composes them. location.py parses ``--store`` (a directory or a URL);
+storage.py holds where a store lives (a directory, or object storage through objects.py, with the
+catalog's manifest log in manifests.py).
 """
 
 from .catalog import ChunkInfo, NewChunk

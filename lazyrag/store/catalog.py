@@ -126,6 +126,35 @@ def _publish(db: sqlite3.Connection, doc_ids: Iterable[str]) -> None:
             db.execute("INSERT INTO documents SELECT ?, COALESCE(MAX(seq), 0) + 1 FROM documents", (doc,))
 
 
+def record_segment(db: sqlite3.Connection, segment: str, placed: Sequence[tuple[NewChunk, int, int, int]],
+                   rows: int, nbytes: int, now: str) -> None:
+    """:meth:`Catalog.commit_append` inside the transaction ``db``, at time ``now``."""
+    db.execute("INSERT INTO segments (name, rows, nbytes, created) VALUES (?, ?, ?, ?)",
+               (segment, rows, nbytes, now))
+    db.executemany(
+        "INSERT OR REPLACE INTO chunks VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+        [(c.chunk_id, segment, off, len(c.token_ids), p, token_ids_bytes(c.token_ids), c.text, crc)
+         for c, off, p, crc in placed],
+    )
+    docs = [r[0] for c, *_ in placed
+            for r in db.execute("SELECT DISTINCT doc_id FROM pending_chunks WHERE chunk_id = ?", (c.chunk_id,))]
+    _publish(db, docs)
+    db.execute("INSERT OR REPLACE INTO meta VALUES ('updated', ?)", (now,))
+
+
+def record_documents(db: sqlite3.Connection, docs: Mapping[str, Sequence[str]], now: str) -> None:
+    """:meth:`Catalog.put_documents` inside the transaction ``db``, at time ``now``."""
+    for doc, chunk_ids in docs.items():
+        db.execute("DELETE FROM pending_chunks WHERE doc_id = ?", (doc,))
+        current = [r[0] for r in db.execute(
+            "SELECT chunk_id FROM doc_chunks WHERE doc_id = ? ORDER BY ordinal", (doc,))]
+        if current != list(chunk_ids):
+            db.executemany("INSERT INTO pending_chunks VALUES (?, ?, ?)",
+                           [(doc, i, cid) for i, cid in enumerate(chunk_ids)])
+    _publish(db, docs)
+    db.execute("INSERT OR REPLACE INTO meta VALUES ('updated', ?)", (now,))
+
+
 def _connect_frozen(file: Path) -> sqlite3.Connection:
     """A read-only connection to the catalog of a store that cannot be written."""
     wal = file.with_name(file.name + "-wal")
@@ -211,33 +240,25 @@ class Catalog:
         rows and ``nbytes`` bytes and its chunks ``placed`` as (chunk, offset, padded length,
         checksum), in one transaction that also publishes the documents they complete. A chunk
         stored before is pointed at its new copy."""
-        now = timestamp()
         with self.transaction() as db:
-            db.execute("INSERT INTO segments (name, rows, nbytes, created) VALUES (?, ?, ?, ?)",
-                       (segment, rows, nbytes, now))
-            db.executemany(
-                "INSERT OR REPLACE INTO chunks VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                [(c.chunk_id, segment, off, len(c.token_ids), p, token_ids_bytes(c.token_ids), c.text, crc)
-                 for c, off, p, crc in placed],
-            )
-            docs = [r[0] for c, *_ in placed
-                    for r in db.execute("SELECT DISTINCT doc_id FROM pending_chunks WHERE chunk_id = ?", (c.chunk_id,))]
-            _publish(db, docs)
-            db.execute("INSERT OR REPLACE INTO meta VALUES ('updated', ?)", (now,))
+            record_segment(db, segment, placed, rows, nbytes, timestamp())
 
     def put_documents(self, docs: Mapping[str, Sequence[str]]) -> None:
         """Record each document's chunk list (doc id -> chunk ids in order). A changed list
         becomes a pending version, published now if its chunks are all stored."""
         with self.transaction() as db:
-            for doc, chunk_ids in docs.items():
-                db.execute("DELETE FROM pending_chunks WHERE doc_id = ?", (doc,))
-                current = [r[0] for r in db.execute(
-                    "SELECT chunk_id FROM doc_chunks WHERE doc_id = ? ORDER BY ordinal", (doc,))]
-                if current != list(chunk_ids):
-                    db.executemany("INSERT INTO pending_chunks VALUES (?, ?, ?)",
-                                   [(doc, i, cid) for i, cid in enumerate(chunk_ids)])
-            _publish(db, docs)
-            db.execute("INSERT OR REPLACE INTO meta VALUES ('updated', ?)", (timestamp(),))
+            record_documents(db, docs, timestamp())
+
+    def changed_documents(self, docs: Mapping[str, Sequence[str]]) -> dict[str, Sequence[str]]:
+        """Those of ``docs`` that :meth:`put_documents` would change: a list other than the published one,
+        or a document with a pending version."""
+        def published(db: sqlite3.Connection, doc: str) -> list[str]:
+            return [r[0] for r in db.execute("SELECT chunk_id FROM doc_chunks WHERE doc_id = ? ORDER BY ordinal",
+                                             (doc,))]
+
+        with self.reading() as db:
+            return {doc: ids for doc, ids in docs.items() if published(db, doc) != list(ids)
+                    or db.execute("SELECT 1 FROM pending_chunks WHERE doc_id = ?", (doc,)).fetchone()}
 
     def replace_segment(self, old: str, new: str | None, placed: Sequence[tuple[str, int]], rows: int,
                         nbytes: int) -> None:

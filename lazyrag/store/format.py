@@ -266,10 +266,23 @@ def read_root_attributes(path: Path) -> tuple[dict, StoreSettings]:
     zarr.json and what is wrong in it, unless it is a store this version reads."""
     meta_file = path / "zarr.json"
     try:
-        meta = json.loads(meta_file.read_text())
+        text = meta_file.read_bytes()
     except FileNotFoundError:
         raise StoreError(f"{path} is not a lazyrag store (no zarr.json)") from None
-    except (OSError, ValueError) as e:
+    except OSError as e:
+        raise StoreError(f"{path} is not a lazyrag store ({meta_file}: {e})") from None
+    attrs, settings = parse_root_attributes(text, path, meta_file)
+    if not (path / CATALOG_FILE).exists():
+        raise StoreError(f"{path} is damaged: {CATALOG_FILE} is missing")
+    return attrs, settings
+
+
+def parse_root_attributes(text: bytes, path: Any, meta_file: Any) -> tuple[dict, StoreSettings]:
+    """The root attributes in the zarr.json ``text`` of the store at ``path`` (a directory or a URL) and
+    the settings they hold; StoreError, naming ``meta_file`` and what is wrong, unless this version reads it."""
+    try:
+        meta = json.loads(text)
+    except ValueError as e:
         raise StoreError(f"{path} is not a lazyrag store ({meta_file}: {e})") from None
     attrs = meta.get("attributes") if isinstance(meta, dict) else None
     attrs = attrs.get(ATTRS_KEY) if isinstance(attrs, dict) else None
@@ -288,8 +301,6 @@ def read_root_attributes(path: Path) -> tuple[dict, StoreSettings]:
         settings = StoreSettings.from_json(attrs.get("settings"))
     except StoreError as e:
         raise StoreError(f"{meta_file} is damaged: {e}; restore the file or re-index into a new --store") from None
-    if not (path / CATALOG_FILE).exists():
-        raise StoreError(f"{path} is damaged: {CATALOG_FILE} is missing")
     return attrs, settings
 
 

@@ -101,10 +101,11 @@ class CheckReport:
         return {"ok": self.ok, **asdict(self)}
 
 
-def check_store(root: Path, catalog: Catalog, reader: SegmentReader, store_id: str | None,
+def check_store(catalog: Catalog, reader: SegmentReader, scan: Callable[[set[str]], SegmentsScan],
                 verify: bool = True) -> CheckReport:
     """Compare the catalog with the disk and, with ``verify``, read every stored chunk back
-    against its checksum; without it only each segment's presence and size are checked."""
+    against its checksum; without it only each segment's presence and size are checked.
+    ``scan``: what is in the store's segments folder, given the segment names the catalog knows."""
     report = CheckReport()
     segments = catalog.segments()
     report.segments = len(segments)
@@ -121,10 +122,10 @@ def check_store(root: Path, catalog: Catalog, reader: SegmentReader, store_id: s
             row = {"chunk": chunk.chunk_id, "segment": chunk.segment, "reason": str(e)}
             (report.corrupt if e.corrupt else report.missing).append(row)
     report.dangling = [{"document": d, "chunk": c} for d, c in catalog.dangling_references()]
-    scan = scan_segments(root, store_id, {s.name for s in segments})
+    found = scan({s.name for s in segments})
     # a segment whose chunks were all encoded again elsewhere holds nothing: compaction forgets it
-    report.missing_segments = [name for name in scan.missing if name in in_use]
-    report.orphan_segments = [str(p) for p in scan.orphans]
-    report.unrecognised = scan.unrecognised
+    report.missing_segments = [name for name in found.missing if name in in_use]
+    report.orphan_segments = [str(p) for p in found.orphans]
+    report.unrecognised = found.unrecognised
     report.unreferenced_chunks = catalog.counts()["unreferenced_chunks"]
     return report

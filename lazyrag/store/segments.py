@@ -1,6 +1,6 @@
 """Segment files: each append's KV as one zarr v3 array, written whole and made durable, and
-read back one chunk at a time, with one pread when the segment has the layout written here,
-each read checked against the chunk's checksum.
+read back one chunk at a time, with one read (a pread, or a ranged GET on object storage) when the
+segment has the layout written here, each read checked against the chunk's checksum.
 
 A segment's directory gets its marker file (the store's id) before any data, so a segment
 left behind by a crash is recognisably this store's and nothing else is ever taken for one."""
@@ -13,6 +13,7 @@ import secrets
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -21,6 +22,7 @@ from zarr.codecs import BytesCodec, ShardingCodec
 
 from .catalog import ChunkInfo
 from .format import SEGMENT_MARKER, SEGMENTS, ChunkReadError, StoreError, StoreSettings, checksum, torch_dtype
+from .location import StoreURL
 
 
 def fsync_path(path: Path) -> None:
@@ -57,25 +59,16 @@ def marked_by(segment_dir: Path) -> str | None:
     return marker.get("store_id") if isinstance(marker.get("store_id"), str) else None
 
 
-def write_segment(root: Path, settings: StoreSettings, data: np.ndarray, seq: int, store_id: str) -> str:
-    """Write ``data`` as segment number ``seq`` of the store at ``root``, durable; return its name.
+def segment_name(seq: int) -> str:
+    """A new segment's name: its sequence number and a random part, so two writers never pick the same one."""
+    return f"seg-{seq:06d}-{secrets.token_hex(4)}"
 
-    The segment is a zarr v3 array with one shard (the whole segment) of
-    uncompressed page-sized inner chunks. zarr writes the metadata; the shard file
-    is written here in the sharding codec's own layout (the pages back to back in
-    row order, then the index of (offset, nbytes) pairs), straight from ``data``
-    with no intermediate copies: zarr's own encoder copies every page twice.
-    """
-    name = f"seg-{seq:06d}-{secrets.token_hex(4)}"
+
+def segment_array(settings: StoreSettings, data: np.ndarray) -> dict:
+    """The zarr array a segment of ``data`` is: one shard (the whole segment) of uncompressed page-sized
+    inner chunks, so each stored chunk is one contiguous byte range of the shard."""
     s = settings
-    arr_dir = root / SEGMENTS / name
-    arr_dir.mkdir(parents=True)
-    write_marker(arr_dir, store_id)
-    rows = data.shape[0]
-    n_pages = rows // s.page_size
-    arr = zarr.create_array(
-        store=str(root),
-        name=f"{SEGMENTS}/{name}",
+    return dict(
         shape=data.shape,
         dtype=data.dtype,
         chunks=data.shape,
@@ -91,12 +84,34 @@ def write_segment(root: Path, settings: StoreSettings, data: np.ndarray, seq: in
         attributes={"kv_dtype": s.kv_dtype},
         write_data=False,
     )
-    shard = arr_dir / arr.metadata.encode_chunk_key((0,) * data.ndim)
-    shard.parent.mkdir(parents=True, exist_ok=True)
-    page_bytes = s.page_size * s.row_bytes
+
+
+def shard_index(settings: StoreSettings, rows: int) -> np.ndarray:
+    """The shard index of a segment of ``rows`` rows in the sharding codec's layout: (offset, nbytes) of
+    each page, the pages back to back in row order."""
+    n_pages = rows // settings.page_size
+    page_bytes = settings.page_size * settings.row_bytes
     index = np.empty((n_pages, 2), dtype="<u8")
     index[:, 0] = np.arange(n_pages, dtype=np.uint64) * np.uint64(page_bytes)
     index[:, 1] = page_bytes
+    return index
+
+
+def write_segment(root: Path, settings: StoreSettings, data: np.ndarray, seq: int, store_id: str) -> str:
+    """Write ``data`` as segment number ``seq`` of the store at ``root``, durable; return its name.
+
+    zarr writes the array's metadata; the shard file is written here in the sharding codec's own
+    layout (the pages, then the index), straight from ``data`` with no intermediate copies: zarr's
+    own encoder copies every page twice.
+    """
+    name = segment_name(seq)
+    arr_dir = root / SEGMENTS / name
+    arr_dir.mkdir(parents=True)
+    write_marker(arr_dir, store_id)
+    arr = zarr.create_array(store=str(root), name=f"{SEGMENTS}/{name}", **segment_array(settings, data))
+    shard = arr_dir / arr.metadata.encode_chunk_key((0,) * data.ndim)
+    shard.parent.mkdir(parents=True, exist_ok=True)
+    index = shard_index(settings, data.shape[0])
     fd = os.open(shard, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
         for part in (memoryview(data).cast("B"), memoryview(index).cast("B")):
@@ -111,21 +126,81 @@ def write_segment(root: Path, settings: StoreSettings, data: np.ndarray, seq: in
     return name
 
 
+class SegmentFiles(Protocol):
+    """Where a reader finds segment files, by key relative to the store (``segments/<name>/zarr.json``).
+    Failures are OSError, as the local filesystem raises them."""
+
+    def read(self, key: str) -> bytes: ...
+
+    def size(self, key: str) -> int: ...
+
+    def read_range(self, key: str, start: int, nbytes: int) -> bytes: ...
+
+    def open(self, key: str) -> Any:
+        """A handle for :meth:`read_into` (closed by :meth:`close`)."""
+
+    def read_into(self, handle: Any, view: memoryview, offset: int) -> None:
+        """Fill ``view`` from byte ``offset``; StoreError when the file ends first."""
+
+    def close(self, handle: Any) -> None: ...
+
+    def where(self, key: str) -> Path | str:
+        """The file, for messages."""
+
+    def zarr_store(self) -> Any:
+        """The store as zarr opens it."""
+
+
+class LocalFiles:
+    """Segment files in a store directory: one pread per read, on a descriptor kept open."""
+
+    def __init__(self, root: Path):
+        self.root = root
+
+    def read(self, key: str) -> bytes:
+        return (self.root / key).read_bytes()
+
+    def size(self, key: str) -> int:
+        return (self.root / key).stat().st_size
+
+    def read_range(self, key: str, start: int, nbytes: int) -> bytes:
+        with open(self.root / key, "rb") as f:
+            f.seek(start)
+            return f.read(nbytes)
+
+    def open(self, key: str) -> int:
+        return os.open(self.root / key, os.O_RDONLY)
+
+    def read_into(self, handle: int, view: memoryview, offset: int) -> None:
+        _pread_into(handle, view, offset)
+
+    def close(self, handle: int) -> None:
+        os.close(handle)
+
+    def where(self, key: str) -> Path:
+        return self.root / key
+
+    def zarr_store(self) -> str:
+        return str(self.root)
+
+
 @dataclass
 class _Segment:
     name: str
-    file: Path  # the shard file holding the whole segment
+    file: Path | str  # the shard file holding the whole segment
     data_start: int  # byte offset of row 0 in that file, when rows are contiguous
     contiguous: bool
-    fd: int | None = None
+    handle: Any = None  # open while the segment is read with one read per chunk
 
 
 class SegmentReader:
-    """Reads chunks' KV from the segments of the store at ``root``; keeps each segment's file open."""
+    """Reads chunks' KV from the segments of the store at ``root``; keeps each segment's file open.
+    ``files``: where the segment files are (default: the store directory ``root``)."""
 
-    def __init__(self, root: Path, settings: StoreSettings):
+    def __init__(self, root: Path | StoreURL, settings: StoreSettings, files: SegmentFiles | None = None):
         self.root = root
         self.settings = settings
+        self._files = files if files is not None else LocalFiles(root)
         self._row_bytes = settings.row_bytes
         self._segments: dict[str, _Segment] = {}
         self._lock = threading.Lock()
@@ -134,19 +209,19 @@ class SegmentReader:
         """Close the open segment files (idempotent)."""
         with self._lock:
             for seg in self._segments.values():
-                if seg.fd is not None:
-                    os.close(seg.fd)
-                    seg.fd = None
+                if seg.handle is not None:
+                    self._files.close(seg.handle)
+                    seg.handle = None
             self._segments.clear()
 
     def forget(self, name: str) -> None:
         """Close a segment that is being deleted."""
         with self._lock:
             seg = self._segments.pop(name, None)
-            if seg is not None and seg.fd is not None:
-                os.close(seg.fd)
+            if seg is not None and seg.handle is not None:
+                self._files.close(seg.handle)
 
-    def byte_range(self, chunk: ChunkInfo) -> tuple[Path, int, int] | None:
+    def byte_range(self, chunk: ChunkInfo) -> tuple[Path | str, int, int] | None:
         """(file, first byte, bytes) of ``chunk``'s rows when one read of that file gets
         them all; None when its segment is read through zarr instead."""
         seg = self._segment(chunk.segment)
@@ -174,8 +249,8 @@ class SegmentReader:
         buf = out.view(-1).view(torch.uint8).numpy()
         try:
             seg = self._segment(chunk.segment)
-            if seg.contiguous and seg.fd is not None:
-                _pread_into(seg.fd, memoryview(buf), seg.data_start + chunk.offset * self._row_bytes)
+            if seg.contiguous and seg.handle is not None:
+                self._files.read_into(seg.handle, memoryview(buf), seg.data_start + chunk.offset * self._row_bytes)
             else:
                 buf[:] = self._read_through_zarr(chunk)
         except StoreError as e:
@@ -202,7 +277,7 @@ class SegmentReader:
 
     def _read_through_zarr(self, chunk: ChunkInfo) -> np.ndarray:
         try:
-            arr = zarr.open_array(str(self.root / SEGMENTS / chunk.segment), mode="r")
+            arr = zarr.open_array(store=self._files.zarr_store(), path=f"{SEGMENTS}/{chunk.segment}", mode="r")
             data = arr[chunk.offset : chunk.offset + chunk.padded_length]
         except Exception as e:  # zarr reports damaged data in many ways; each is this segment's fault
             raise StoreError(f"zarr cannot decode it ({type(e).__name__}: {e})") from None
@@ -216,15 +291,15 @@ class SegmentReader:
             return seg
 
     def _load(self, name: str) -> _Segment:
-        """A segment's shard file, and whether its rows can be read with one pread (checked
+        """A segment's shard file, and whether its rows can be read with one read (checked
         against the shard index); StoreError when the segment is missing or truncated."""
-        arr_dir = self.root / SEGMENTS / name
         try:
-            meta = json.loads((arr_dir / "zarr.json").read_text())
+            meta = json.loads(self._files.read(f"{SEGMENTS}/{name}/zarr.json"))
             rows = int(meta["shape"][0])
         except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
             raise StoreError(f"segment {name} is missing or damaged ({getattr(e, 'strerror', None) or e})") from None
-        file = arr_dir.joinpath("c", *(["0"] * len(meta["shape"])))
+        key = "/".join([SEGMENTS, name, "c", *(["0"] * len(meta["shape"]))])
+        file = self._files.where(key)
         seg = _Segment(name=name, file=file, data_start=0, contiguous=False)
         index_bytes = self._own_layout_index_bytes(meta, rows)
         if index_bytes is None:
@@ -233,15 +308,13 @@ class SegmentReader:
         page_bytes = self.settings.page_size * self._row_bytes
         expected_size = n_pages * page_bytes + index_bytes
         try:
-            size = file.stat().st_size
-            with open(file, "rb") as f:
-                if size != expected_size:
-                    raise StoreError(f"segment {name} is truncated: its shard holds {size:,} of {expected_size:,} "
-                                     "bytes" if size < expected_size else
-                                     f"segment {name} is damaged: its shard holds {size:,} bytes, not {expected_size:,}")
-                if meta["codecs"][0]["configuration"].get("index_location", "end") == "end":
-                    f.seek(size - index_bytes)
-                raw = f.read(index_bytes)
+            size = self._files.size(key)
+            if size != expected_size:
+                raise StoreError(f"segment {name} is truncated: its shard holds {size:,} of {expected_size:,} "
+                                 "bytes" if size < expected_size else
+                                 f"segment {name} is damaged: its shard holds {size:,} bytes, not {expected_size:,}")
+            at_end = meta["codecs"][0]["configuration"].get("index_location", "end") == "end"
+            raw = self._files.read_range(key, size - index_bytes if at_end else 0, index_bytes)
         except OSError as e:
             raise StoreError(f"segment {name} cannot be read ({e.strerror}: {file})") from None
         index = np.frombuffer(raw[: n_pages * 16], dtype="<u8").reshape(n_pages, 2)
@@ -249,7 +322,10 @@ class SegmentReader:
         if np.all(index[:, 1] == page_bytes) and np.array_equal(index[:, 0], expected):
             seg.data_start = int(index[0, 0])
             seg.contiguous = True
-            seg.fd = os.open(file, os.O_RDONLY)
+            try:
+                seg.handle = self._files.open(key)
+            except OSError as e:
+                raise StoreError(f"segment {name} cannot be read ({e.strerror}: {file})") from None
         return seg
 
     def _own_layout_index_bytes(self, meta: dict, rows: int) -> int | None:

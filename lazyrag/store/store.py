@@ -1,5 +1,5 @@
 """The ``Store``: one directory of reusable chunk KV, its layout in format.py (docs/architecture.md,
-"The store on disk").
+"The store on disk"), or the same on object storage (lazyrag/store/storage.py, ``ObjectStorage``).
 
 Crash safety: a segment's data is written and fsynced first, then its catalog rows
 are committed in one transaction. A segment directory the catalog does not name is
@@ -15,6 +15,7 @@ import secrets
 import shutil
 import tempfile
 from collections.abc import Collection, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +24,7 @@ import zarr
 
 from . import access
 from .catalog import Catalog, ChunkInfo, NewChunk
-from .compaction import CompactResult, compact_segments, disk_usage
+from .compaction import CompactResult
 from .format import (
     ATTRS_KEY,
     CATALOG_FILE,
@@ -39,40 +40,43 @@ from .format import (
     storage_dtype,
 )
 from .integrity import CheckReport, Warn, check_store, delete_orphans, warn_stderr
-from .locks import take_exclusive_read_lock, take_read_lock, take_write_lock
+from .location import StoreURL, store_location
+from .locks import take_read_lock, take_write_lock
 from .migration import upgrade
-from .runlog import RunLog
-from .segments import SegmentReader, fsync_path, fsync_tree, write_segment
+from .segments import fsync_path, fsync_tree
+from .storage import LocalStorage, ObjectStorage, Storage, write_segment_at
 
 
 class Store:
     """A lazyrag KV store. Use :meth:`create_or_open` to index, :meth:`open` to read (or, with
     ``write=True``, to maintain it)."""
 
-    def __init__(self, path: Path, settings: StoreSettings, attrs: dict, *, writable: bool,
-                 lock_fd: int | None, read_lock_fd: int | None = None, frozen: bool = False):
-        self.path = path
+    def __init__(self, storage: Storage, settings: StoreSettings, attrs: dict, *, writable: bool,
+                 frozen: bool = False):
+        self.path = storage.location
         self.settings = settings
         self._attrs = attrs
         self._writable, self._frozen = writable, frozen
-        self._lock_fd, self._read_lock_fd = lock_fd, read_lock_fd  # closed by close(), even if this fails
-        self._storage = storage_dtype(settings.kv_dtype)
-        self._catalog = Catalog(path / CATALOG_FILE, writable=writable, frozen=frozen)
-        self._run_log = RunLog(self._catalog)
-        self._segments = SegmentReader(path, settings)
+        self._storage = storage  # closed by close(), even if this fails
+        self._catalog = storage.catalog
+        self._run_log = storage.run_log
+        self._segments = storage.segments
         self._store_id = self._catalog.meta("store_id")
 
     # -- opening -------------------------------------------------------------
 
     @classmethod
-    def create_or_open(cls, path: str | Path, settings: StoreSettings, warn: Warn = warn_stderr) -> Store:
+    def create_or_open(cls, path: str | Path | StoreURL, settings: StoreSettings, warn: Warn = warn_stderr) -> Store:
         """Open a store for appending, creating it if ``path`` does not exist.
 
         An existing store must have been built with the same settings (compat key);
-        otherwise :class:`StoreMismatch`. Only one process may hold a store open for
-        writing at a time; see :meth:`open` for what opening for writing does.
+        otherwise :class:`StoreMismatch`. Only one process may hold a store directory open for
+        writing at a time (on object storage several may); see :meth:`open` for what opening
+        for writing does.
         """
-        path = Path(path)
+        path = store_location(path)
+        if isinstance(path, StoreURL):
+            return cls._open_objects(path, write=True, expect=settings, create=True)
         if not (path / "zarr.json").exists():
             if path.exists() and (not path.is_dir() or any(path.iterdir())):
                 raise StoreError(f"{path} exists and is not a lazyrag store; choose another --store path")
@@ -80,15 +84,17 @@ class Store:
         return cls.open(path, write=True, expect=settings, warn=warn)
 
     @classmethod
-    def open(cls, path: str | Path, write: bool = False, expect: StoreSettings | None = None,
+    def open(cls, path: str | Path | StoreURL, write: bool = False, expect: StoreSettings | None = None,
              warn: Warn = warn_stderr) -> Store:
         """Open an existing store to read it (and to save run records), holding the shared
         read lock; or, with ``write``, holding the writer lock: a store of an older format is
         upgraded in place and segments left by a crash are deleted (anything else unknown in
         ``segments/`` is left alone and ``warn`` is told). ``expect``: settings the store must
         have been built with. A store this process cannot write (``access.writable``) is read
-        as it is, and cannot be opened with ``write``."""
-        path = Path(path)
+        as it is, and cannot be opened with ``write``. A store on object storage takes no locks."""
+        path = store_location(path)
+        if isinstance(path, StoreURL):
+            return cls._open_objects(path, write, expect, create=False)
         if not path.exists():
             raise StoreError(f"no store at {path}: build one with `lazyrag index CORPUS --store {path}`")
         attrs, _ = read_root_attributes(path)
@@ -104,8 +110,9 @@ class Store:
             attrs, stored = read_root_attributes(path)  # as it is now that the lock is held
             if expect is not None and stored.compat_key() != expect.compat_key():
                 raise StoreMismatch(mismatch_message(path, stored, expect))
-            store = cls(path, stored, attrs, writable=write, lock_fd=lock if write else None,
-                        read_lock_fd=None if write else lock, frozen=not can_write)
+            storage = LocalStorage(path, stored, writable=write, frozen=not can_write,
+                                   lock_fd=lock if write else None, read_lock_fd=None if write else lock)
+            store = cls(storage, stored, attrs, writable=write, frozen=not can_write)
             if write:
                 if attrs["format_version"] < FORMAT_VERSION:
                     store._store_id = upgrade(path, store._catalog, store._segments)
@@ -118,17 +125,20 @@ class Store:
             raise
         return store
 
+    @classmethod
+    def _open_objects(cls, url: StoreURL, write: bool, expect: StoreSettings | None, create: bool) -> Store:
+        storage, attrs, stored = ObjectStorage.open(url, expect, create)
+        try:
+            return cls(storage, stored, attrs, writable=write)
+        except BaseException:
+            storage.close()
+            raise
+
     def close(self) -> None:
         """Close files and the catalog and release the locks (idempotent)."""
-        try:
-            self._segments.close()
-            self._catalog.close()
-        finally:
-            for name in ("_lock_fd", "_read_lock_fd"):
-                fd = getattr(self, name, None)
-                if fd is not None:
-                    os.close(fd)
-                    setattr(self, name, None)
+        storage = getattr(self, "_storage", None)
+        if storage is not None:
+            storage.close()
 
     def __del__(self) -> None:
         try:
@@ -158,77 +168,50 @@ class Store:
         docs: dict[str, list[NewChunk]] = {}
         for c in chunks:
             docs.setdefault(c.doc_id, []).append(c)
-        self._catalog.put_documents(
+        self._storage.put_documents(
             {d: [c.chunk_id for c in sorted(cs, key=lambda c: c.ordinal)] for d, cs in docs.items()})
 
     def append(self, chunks: Sequence[NewChunk], kv: np.ndarray, replace: Collection[str] = ()) -> None:
-        """Store the KV of ``chunks``: one new segment, durable, then one catalog commit,
-        which also publishes the documents (:meth:`put_documents`) whose last chunk it stores.
-
-        ``kv`` has shape ``[sum of padded lengths, num_layers, 2, num_kv_heads,
-        head_dim]`` in the storage dtype (``storage_dtype(kv_dtype)``; see
-        ``kv_to_storage``); chunk i occupies its padded length of rows, in order.
-        Chunks already in the store (or repeated in ``chunks``) are not written again,
-        except those in ``replace`` (damaged copies, see :meth:`check`), whose new copy
-        takes the old one's place. Each chunk's checksum is recorded with it.
-        """
+        """Store the KV of ``chunks`` (laid out as :func:`write_chunks` takes it): one new segment,
+        durable, then one catalog commit (:meth:`commit`). Chunks already in the store (or
+        repeated in ``chunks``) are not written again, except those in ``replace`` (damaged
+        copies, see :meth:`check`), whose new copy takes the old one's place."""
         self._check_writable()
-        s = self.settings
-        if not isinstance(kv, np.ndarray):
-            raise StoreError(f"kv must be a numpy array, got {type(kv).__name__}")
-        if kv.dtype.newbyteorder("<") != self._storage or kv.dtype.itemsize != self._storage.itemsize:
-            raise StoreError(
-                f"kv dtype {kv.dtype} does not match the store's storage dtype {self._storage} ({s.kv_dtype})"
-            )
-        spans = []
-        row = 0
-        for c in chunks:
-            if not c.token_ids:
-                raise StoreError(f"chunk {c.chunk_id} of {c.doc_id!r} has no tokens")
-            padded = s.padded(len(c.token_ids))
-            spans.append((row, padded))
-            row += padded
-        if kv.shape != (row, *s.row_shape):
-            raise StoreError(f"kv has shape {kv.shape}, expected {(row, *s.row_shape)} for these chunks")
-
         taken = self._catalog.stored(c.chunk_id for c in chunks) - set(replace)
-        new_rows = []  # (chunk, source row, padded, segment offset)
-        offset = 0
-        for c, (src, padded) in zip(chunks, spans):
-            if c.chunk_id in taken:
-                continue
-            taken.add(c.chunk_id)
-            new_rows.append((c, src, padded, offset))
-            offset += padded
-        if not new_rows:
-            return
-        if offset == kv.shape[0]:
-            data = np.ascontiguousarray(kv)
-        else:
-            data = np.concatenate([kv[src : src + p] for _, src, p, _ in new_rows])
-        if data.dtype != self._storage:
-            data = data.astype(self._storage)
-        segment = write_segment(self.path, s, data, self._catalog.next_segment_seq(), self._store_id)
-        placed = [(c, off, p, checksum(data[off : off + p])) for c, _src, p, off in new_rows]
-        self._catalog.commit_append(segment, placed, offset, offset * s.row_bytes)
+        written = write_chunks(self.path, self.settings, self._store_id, self.next_segment_seq(), chunks, kv, taken)
+        if written is not None:
+            self.commit(written)
+
+    def commit(self, written: WrittenSegment) -> None:
+        """Make a segment :func:`write_chunks` wrote visible: one catalog transaction adds its chunks
+        (a chunk stored before is pointed at its new copy) and publishes the documents
+        (:meth:`put_documents`) whose last chunk it stores."""
+        self._check_writable()
+        self._storage.commit_append(written.name, written.placed, written.rows, written.nbytes)
+
+    @property
+    def store_id(self) -> str | None:
+        """The id segment markers carry (:func:`write_chunks`)."""
+        return self._store_id
+
+    def next_segment_seq(self) -> int:
+        """The number the next segment's name carries (names sort in the order segments were written)."""
+        return self._catalog.next_segment_seq()
 
     def check(self, verify: bool = True) -> CheckReport:
         """Compare the catalog with the disk: missing and orphan chunks and segments, and with
         ``verify`` (``lazyrag check``, ``index --verify``) corrupt chunks too, by reading every
         chunk back against its checksum. Without it (``index``) only each segment's presence
         and size are checked, so it costs nothing like a read of the store."""
-        return check_store(self.path, self._catalog, self._segments, self._store_id, verify)
+        return check_store(self._catalog, self._segments,
+                           lambda known: self._storage.scan_segments(self._store_id, known), verify)
 
     def compact(self, wait: bool = False) -> CompactResult:
         """Reclaim the space of chunks no document references (``lazyrag compact``). Needs
         the store opened with ``write=True`` and no reader: StoreBusy while one has it open,
-        unless ``wait``, which waits for them."""
+        unless ``wait``, which waits for them. A store on object storage is refused (StoreError)."""
         self._check_writable()
-        fd = take_exclusive_read_lock(self.path, wait)
-        try:
-            return compact_segments(self.path, self.settings, self._catalog, self._segments, self._store_id)
-        finally:
-            os.close(fd)
+        return self._storage.compact(self.settings, self._store_id, wait)
 
     def _check_writable(self) -> None:
         if not self._writable:
@@ -266,6 +249,12 @@ class Store:
         """Rows of the longest stored chunk (0 for an empty store)."""
         return self._catalog.max_padded_length()
 
+    @property
+    def local_dir(self) -> Path:
+        """A local directory for what is derived from the store (its BM25 index): the store directory, or
+        for a store on object storage the local cache that holds its catalog."""
+        return self._storage.local_dir
+
     def read_kv(self, chunk: ChunkInfo, out: torch.Tensor | None = None) -> torch.Tensor:
         """A chunk's KV: ``[padded_length, num_layers, 2, num_kv_heads, head_dim]`` in
         the logical dtype; see :meth:`SegmentReader.read_kv`. Safe to call from several threads."""
@@ -296,7 +285,7 @@ class Store:
             "pending_documents": counts["pending_documents"],
             "unreferenced_chunks": counts["unreferenced_chunks"],
             "kv_bytes": counts["padded_tokens"] * s.row_bytes,
-            "bytes": disk_usage(self.path),
+            "bytes": self._storage.bytes_used(),
             "model": s.model,
             "fingerprint": s.fingerprint,
             "kv_dtype": s.kv_dtype,
@@ -306,6 +295,65 @@ class Store:
             "created": self._attrs.get("created"),
             "updated": counts["updated"] if counts["updated"] is not None else self._attrs.get("created"),
         }
+
+
+@dataclass(frozen=True)
+class WrittenSegment:
+    """A segment made durable and not in the catalog yet: an orphan until :meth:`Store.commit`."""
+
+    name: str
+    placed: list[tuple[NewChunk, int, int, int]]  # (chunk, offset, padded length, checksum)
+    rows: int
+    nbytes: int
+
+
+def write_chunks(root: Path | StoreURL, settings: StoreSettings, store_id: str | None, seq: int,
+                 chunks: Sequence[NewChunk], kv: np.ndarray, skip: Collection[str] = ()) -> WrittenSegment | None:
+    """Write the KV of ``chunks`` as segment number ``seq`` of the store at ``root``, durable,
+    without touching its catalog, so a process other than the store's writer may write it; None
+    when there is nothing to write. Chunks in ``skip``, and repeats in ``chunks``, are left out.
+
+    ``kv`` has shape ``[sum of padded lengths, num_layers, 2, num_kv_heads, head_dim]`` in the
+    storage dtype (``storage_dtype(kv_dtype)``; see ``kv_to_storage``); chunk i occupies its
+    padded length of rows, in order. Each chunk's checksum is recorded with it.
+    """
+    s = settings
+    storage = storage_dtype(s.kv_dtype)
+    if not isinstance(kv, np.ndarray):
+        raise StoreError(f"kv must be a numpy array, got {type(kv).__name__}")
+    if kv.dtype.newbyteorder("<") != storage or kv.dtype.itemsize != storage.itemsize:
+        raise StoreError(f"kv dtype {kv.dtype} does not match the store's storage dtype {storage} ({s.kv_dtype})")
+    spans = []
+    row = 0
+    for c in chunks:
+        if not c.token_ids:
+            raise StoreError(f"chunk {c.chunk_id} of {c.doc_id!r} has no tokens")
+        padded = s.padded(len(c.token_ids))
+        spans.append((row, padded))
+        row += padded
+    if kv.shape != (row, *s.row_shape):
+        raise StoreError(f"kv has shape {kv.shape}, expected {(row, *s.row_shape)} for these chunks")
+
+    taken = set(skip)
+    new_rows = []  # (chunk, source row, padded, segment offset)
+    offset = 0
+    for c, (src, padded) in zip(chunks, spans):
+        if c.chunk_id in taken:
+            continue
+        taken.add(c.chunk_id)
+        new_rows.append((c, src, padded, offset))
+        offset += padded
+    if not new_rows:
+        return None
+    if offset == kv.shape[0]:
+        data = np.ascontiguousarray(kv)
+    else:
+        data = np.concatenate([kv[src : src + p] for _, src, p, _ in new_rows])
+    if data.dtype != storage:
+        data = data.astype(storage)
+    name = write_segment_at(root, s, data, seq, store_id)
+    placed = [(c, off, p, checksum(data[off : off + p])) for c, _src, p, off in new_rows]
+    return WrittenSegment(name, placed, offset, offset * s.row_bytes)
 
 
 def _create(path: Path, settings: StoreSettings) -> None:

@@ -1,0 +1,121 @@
+"""One engine answering queries: the model the store was built with, the engine sized by the
+answer settings, each query turned into a checked request and each finished sequence into its
+row of the answers file. `answer` runs one in its own process; `answer --data-parallel N` runs
+one inside each engine actor (lazyrag/parallel/engines.py)."""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Callable, Iterable
+
+from lazyrag.commands.audit import answer_text
+from lazyrag.commands.queries import Query
+from lazyrag.config import AnswerConfig
+from lazyrag.errors import ResourceError
+from lazyrag.eval import scoring
+from lazyrag.models import LoadedModel, load_model
+from lazyrag.models.prompt import PromptFormat
+from lazyrag.serve import Engine, Recompute, Request, Sampling, Sequence
+from lazyrag.serve.paged import OutOfPages, pages_for
+from lazyrag.store import ChunkInfo, ChunkReadError, Store, StoreMismatch
+
+
+class RequestRejected(Exception):
+    """A query that cannot be answered as asked (its prompt is too long); it goes to the errors file."""
+
+
+def load_model_for(store: Store, cfg: AnswerConfig) -> LoadedModel:
+    """The model the store was built with (or cfg.model, which must have the same fingerprint)."""
+    s = store.settings
+    loaded = load_model(cfg.model or s.model, cfg.device, s.kv_dtype, cfg.trust_remote_code)
+    if loaded.fingerprint != s.fingerprint:
+        raise StoreMismatch(f"{cfg.store} was built with model fingerprint {s.fingerprint[:16]}, but "
+                            f"{loaded.name} now has {loaded.fingerprint[:16]}; re-index into a new --store")
+    if tuple(PromptFormat(loaded.tokenizer).preamble_ids()) != tuple(s.preamble_ids):
+        raise StoreMismatch(f"{cfg.store}: the stored preamble differs from this lazyrag's prompt; re-index")
+    return loaded
+
+
+class QueryEngine:
+    """The engine of one `answer` run and the request and row building around it."""
+
+    def __init__(self, store: Store, cfg: AnswerConfig):
+        self.cfg = cfg
+        self.loaded = load_model_for(store, cfg)
+        self.fmt = PromptFormat(self.loaded.tokenizer)
+        self.context = self.loaded.cfg.max_position_embeddings
+        self.limit = self.context - cfg.max_new_tokens
+        if cfg.max_prompt_tokens is not None:
+            self.limit = min(self.limit, cfg.max_prompt_tokens)
+        try:
+            self.engine = _engine(self.loaded, store, cfg, cfg.cache_gb * 2**30, cfg.cuda_graphs)
+        except OutOfPages:
+            # the pool cannot hold even the preamble: one that just does is enough for every
+            # request's check to fail, saying the size it needs
+            s = store.settings
+            page = s.num_layers * 2 * s.page_size * s.num_kv_heads * s.head_dim * self.loaded.dtype.itemsize
+            self.engine = _engine(self.loaded, store, cfg, (pages_for(len(s.preamble_ids), s.page_size) + 1) * page,
+                                  False)
+        self.capacity = self.engine.cache.available_pages()  # what one request may use: the pool less the preamble
+
+    def request(self, q: Query, chunks: list[ChunkInfo]) -> Request:
+        """The query's request over `chunks`. RequestRejected when its prompt is over the length
+        limit; ResourceError when it could not run even alone in the page pool."""
+        cfg, mode = self.cfg, self.engine.mode
+        request = Request(q.id, chunks, self.fmt.question_ids(q.question), cfg.max_new_tokens,
+                          arrival=time.perf_counter(), meta={"answers": q.answers, "query": q})
+        tokens = mode.own_start(request) + len(mode.prompt_ids(request))
+        if tokens > self.limit:
+            raise RequestRejected(
+                f"the prompt is {tokens:,} tokens, over the limit of {self.limit:,} (the model's context of "
+                f"{self.context:,} less --max-new-tokens {cfg.max_new_tokens}"
+                + (f", or --max-prompt-tokens {cfg.max_prompt_tokens}" if cfg.max_prompt_tokens else "")
+                + "); name fewer docs or chunks, or shorten the question")
+        self._check_fits(request)
+        return request
+
+    def run(self, requests: Iterable[Request], on_finish: Callable[[Sequence], None],
+            on_error: Callable[[Sequence, ChunkReadError], None]) -> None:
+        """Answer the requests (Engine.run); a chunk that cannot be read fails only the queries
+        that need it, each handed to `on_error`."""
+        self.engine.run(requests, on_finish, lookahead=self.cfg.prefetch, on_error=on_error)
+
+    def row(self, seq: Sequence) -> dict:
+        """A finished request's line in the answers file."""
+        row = {
+            "id": seq.id, "answer": answer_text(self.loaded, seq.generated),
+            "mode": self.cfg.mode.value, "chunks": [c.chunk_id for c in seq.chunks],
+            "ttft_ms": round(seq.ttft_ms, 2), "latency_ms": round(seq.latency_ms, 2),
+            "new_tokens": len(seq.generated), "cache": {"hits": seq.hits, "misses": seq.misses},
+        }
+        if seq.meta.get("answers"):
+            row["score"] = scoring.score(row["answer"], seq.meta["answers"])
+        return row
+
+    def close(self) -> None:
+        self.engine.close()
+
+    def _check_fits(self, request: Request) -> None:
+        """ResourceError when the request could not run even alone in the page pool, with the
+        --cache-gb it needs."""
+        engine = self.engine
+        page_size = engine.pool.page_size
+        resident = sum(pages_for(c.padded_length, page_size) for c in engine.mode.cached_chunks(request)
+                       if engine.cache.is_resident(c.chunk_id))
+        need = engine.mode.pages_needed(Sequence(request), engine.cache) + resident  # as if nothing were cached
+        if need > self.capacity:
+            kept = engine.pool.num_pages - self.capacity
+            page = engine.pool.bytes_per_page
+            gb = math.ceil((need + kept) * page / 2**30 * 1e4) / 1e4
+            raise ResourceError(f"--cache-gb {self.cfg.cache_gb:g} is too small for query {request.id}: it needs "
+                                f"{need} pages of KV cache besides the {kept} the preamble keeps "
+                                f"({page / 2**20:.3g} MiB each); raise --cache-gb to at least {gb:g}")
+
+
+def _engine(loaded: LoadedModel, store: Store, cfg: AnswerConfig, cache_bytes: float, cuda_graphs: bool) -> Engine:
+    return Engine(loaded, store, cfg.mode, cache_bytes, cfg.batch_size,
+                  Sampling(cfg.temperature, cfg.top_p, cfg.seed), cfg.host_cache_gb * 2**30,
+                  cuda_graphs=cuda_graphs,
+                  recompute=Recompute(cfg.recompute, cfg.recompute_policy, cfg.recompute_layer),
+                  ape=(cfg.ape_temperature, cfg.ape_scale))
