@@ -4,6 +4,7 @@ then costs a second, not a model load, and leaves no store fixed to settings tha
 
 from __future__ import annotations
 
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +16,7 @@ from lazyrag.config import IndexConfig
 from lazyrag.corpus import CorpusStats, read_corpus
 from lazyrag.errors import ResourceError
 from lazyrag.models.loading import model_config, resolve_device, resolve_dtype
-from lazyrag.store import Store
+from lazyrag.store import Store, StoreError
 
 # Text bytes per token: about 4 for the BPE vocabularies of real models, 1 for a byte-level
 # vocabulary (the random presets'), which has no merges.
@@ -53,6 +54,11 @@ def check_index(cfg: IndexConfig, scan: CorpusScan) -> SizeEstimate | None:
     errors), and a store the disk cannot hold (ResourceError, unless cfg.force); returns the
     size estimate (None for a store on object storage: no local disk to fill)."""
     worker_devices(cfg.device, cfg.workers)
+    if isinstance(cfg.store, Path) and not (cfg.store / "zarr.json").exists():
+        where = _existing_ancestor(cfg.store)
+        if not os.access(where, os.W_OK):  # says no on a read-only filesystem, even to root
+            raise StoreError(f"cannot create a store at {cfg.store}: {where} cannot be written (a read-only "
+                             "filesystem, or no write permission); choose another --store")
     mc = model_config(cfg.model, cfg.trust_remote_code)
     if cfg.chunk_tokens > mc.max_position_embeddings:
         raise click.BadParameter(f"{cfg.chunk_tokens} is above the context of {cfg.model} "

@@ -122,3 +122,17 @@ def test_stats_and_answer_work_on_a_store_without_write_permission(store, tmp_pa
     finally:
         for path in [copy, *copy.rglob("*")]:
             path.chmod(path.stat().st_mode | 0o200)
+
+
+def test_index_refuses_to_create_a_store_where_it_cannot_write(tmp_path, monkeypatch):
+    real_access = os.access
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    # as a read-only mount answers, even to root
+    monkeypatch.setattr(os, "access", lambda path, mode, **kw: False if str(path) == str(ro) and mode & os.W_OK
+                        else real_access(path, mode, **kw))
+    corpus = write_jsonl(tmp_path / "c.jsonl", {"id": "a", "text": "Some text."})
+    res = cli("index", corpus, "--store", ro / "new.zarr", *TINY)
+    assert res.exit_code == 4, res.output
+    assert "cannot create a store" in res.stderr and "cannot be written" in res.stderr
+    assert list(ro.iterdir()) == []
