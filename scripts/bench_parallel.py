@@ -9,7 +9,7 @@ cache, the store in the OS page cache. Throughput is the run's queries over its 
 seconds (engines already started); the hit ratio is over chunk references. Writes
 $OUT/bench_parallel.json and prints a table.
 
-Usage: python scripts/bench_parallel.py [--model random:llama3-8b] [--requests 400] [--engines 2]
+Usage: python scripts/bench_parallel.py [--model random:llama3-8b] [--requests 400] [--runs inproc,2:affinity,...]
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def write_queries(path: Path, n: int, seed: int) -> None:
             f.write(json.dumps({"id": f"q{i:05d}", "question": question, "docs": docs}) + "\n")
 
 
-def answer(store: Path, queries: Path, out: Path, args, engines: int, routing: str) -> dict:
+def answer(store: Path, queries: Path, out: Path, args, engines: int, routing: str, actors: bool) -> dict:
     import torch
 
     from lazyrag.commands.answer import answer_file
@@ -45,7 +45,8 @@ def answer(store: Path, queries: Path, out: Path, args, engines: int, routing: s
 
     cfg = AnswerConfig(queries=queries, store=store, out=out, cache_gb=args.cache_gb, batch_size=args.batch_size,
                        max_new_tokens=bench_e2e.NEW_TOKENS, recompute=args.recompute,
-                       data_parallel=engines, routing=routing)
+                       data_parallel=engines, routing=routing,
+                       ray_address="local" if actors and engines == 1 else None)
     t = time.perf_counter()
     summary = answer_file(cfg, report=lambda msg: print(msg, flush=True), progress=False)
     wall = time.perf_counter() - t
@@ -53,7 +54,7 @@ def answer(store: Path, queries: Path, out: Path, args, engines: int, routing: s
     c = rec["cache"]
     refs = c["hits"] + c["misses"]
     row = {
-        "engines": engines, "routing": routing if engines > 1 else "-", "queries": rec["queries"],
+        "engines": engines, "actors": actors, "routing": routing if engines > 1 else "-", "queries": rec["queries"],
         "seconds": rec["seconds"], "wall_s": round(wall, 1), "req_per_s": rec["queries_per_s"],
         "hit_ratio": round(c["hits"] / refs, 4) if refs else None,
         "bytes_read_gb": round(c.get("bytes_read", 0) / 2**30, 2), "ttft_ms": rec["ttft_ms"],
@@ -76,12 +77,13 @@ def table(rows: list[dict], info: dict) -> str:
              f"{info['date']}; {info['gpus']} x {info['gpu']}; torch {info['torch']}, ray {info['ray']}; "
              f"{info['model']}, cache {info['cache_gb']} GB per engine, batch {info['batch_size']}, "
              f"recompute {info['recompute']}", "",
-             "| engines | routing | queries | seconds | req/s | vs 1 engine | hit ratio | per-engine hit ratio (queries) "
+             "| engines | where | routing | queries | seconds | req/s | vs 1 engine | hit ratio | per-engine hit ratio (queries) "
              "| GB read | TTFT p50 ms |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         per = ", ".join(f"{e['hit_ratio']:.3f} ({e['queries']})" for e in r["per_engine"] if e["hit_ratio"] is not None)
-        lines.append(f"| {r['engines']} | {r['routing']} | {r['queries']} | {r['seconds']:.2f} | {r['req_per_s']:.1f} "
+        where = "Ray actors" if r["actors"] else "this process"
+        lines.append(f"| {r['engines']} | {where} | {r['routing']} | {r['queries']} | {r['seconds']:.2f} | {r['req_per_s']:.1f} "
                      f"| {r['req_per_s'] / base:.2f}x | {r['hit_ratio']:.3f} | {per or '-'} | {r['bytes_read_gb']} "
                      f"| {r['ttft_ms']['p50']:.0f} |")
     return "\n".join(lines)
@@ -91,7 +93,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="random:llama3-8b")
     ap.add_argument("--requests", type=int, default=400, help="twice bench_e2e's 200")
-    ap.add_argument("--engines", type=int, default=2)
+    ap.add_argument("--runs", default="inproc,2:affinity,2:round-robin",
+                    help="inproc: one engine in this process (the baseline, first); N:ROUTING: N engine actors on "
+                         "Ray (1:affinity measures what the actor costs against inproc)")
     ap.add_argument("--cache-gb", type=float, default=60.0, help="per engine")
     ap.add_argument("--batch-size", type=int, default=128)
     ap.add_argument("--recompute", type=float, default=0.0)
@@ -121,9 +125,11 @@ def main() -> None:
         # a short untimed run first, so kernel compilation lands in no timed run
         warm = root / "warm.jsonl"
         write_queries(warm, 8, seed=2)
-        answer(store, warm, root / "warm-out.jsonl", args, 1, "affinity")
-        for engines, routing in [(1, "affinity"), (args.engines, "affinity"), (args.engines, "round-robin")]:
-            row = answer(store, queries, root / f"out-{engines}-{routing}.jsonl", args, engines, routing)
+        answer(store, warm, root / "warm-out.jsonl", args, 1, "affinity", actors=False)
+        for run in args.runs.split(","):
+            engines, routing = (1, "affinity") if run == "inproc" else (int(run.split(":")[0]), run.split(":")[1])
+            row = answer(store, queries, root / f"out-{run.replace(':', '-')}.jsonl", args, engines, routing,
+                         actors=run != "inproc")
             rows.append(row)
             print(json.dumps(row), flush=True)
             (out_dir / "bench_parallel.json").write_text(json.dumps({"info": info, "rows": rows}, indent=1))

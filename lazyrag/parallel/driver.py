@@ -2,11 +2,13 @@
 Ray, fed by the router, with this process the one writer of the answers file.
 
 The driver resolves every query's chunks (docs to chunk ids, or BM25) as one engine would,
-plans the queries over the engines (lazyrag/parallel/router.py) and keeps IN_FLIGHT calls
-out per engine. Each answered row is appended to --out as its call comes back (in finishing
-order), and the run's record is saved as in the one-engine path, so a re-run resumes the same
-way. An engine that dies is started again and its unanswered queries are sent again; a call
-that died is never read, so no query is answered twice.
+plans the queries over the engines (lazyrag/parallel/router.py) and keeps IN_FLIGHT batches
+submitted to each engine, which answers them as one open stream (lazyrag/parallel/engines.py).
+Each engine has one `collect` call pending at a time, which returns the rows finished since the
+last; each row is appended to --out as it comes back (in finishing order), and the run's record
+is saved as in the one-engine path, so a re-run resumes the same way. An engine that dies is
+started again and its queries not yet back are sent again; what it finished but the driver
+never collected is answered again, and nothing is written twice.
 """
 
 from __future__ import annotations
@@ -27,14 +29,15 @@ from lazyrag.parallel.router import Router
 from lazyrag.parallel.stats import EngineStats, sum_counters
 from lazyrag.store import Store, StoreError, StoreMismatch
 
-# A call to an engine carries this many batches' worth of queries, so its continuous batching
-# refills the batch within the call; the engine drains only at a call's end.
-CALL_BATCHES = 2
-# Calls out per engine: one running, one waiting in the actor's mailbox, so an engine never
-# waits on the driver.
-IN_FLIGHT = 2
+# Batches of --batch-size queries submitted to an engine and not yet back: more than a batch
+# waits in its inbox, so a finished request's place is taken at the next step and the engine's
+# batch drains only at the end of the work.
+IN_FLIGHT = 3
+# Calls an engine actor serves at once: a collect waiting for rows, a submit, and start or close.
+ACTOR_CALLS = 3
 MAX_RESTARTS = 3  # per engine; one more death ends the run
-WAIT_S = 0.5      # the longest the driver waits before looking for a signal to stop
+WAIT_S = 0.5      # the longest a collect waits for rows, and the driver before looking for a signal to stop
+CLOSE_WAIT_S = 10  # for the engines to end their streams and give back their GPU and store at the end
 
 
 class EngineFailed(RuntimeError):
@@ -54,7 +57,7 @@ def answer_parallel(run: AnswerRun, todo: list[Query]) -> None:
             engines.start()
         run.engine_stats = engines.record
         router = Router([(qid, chunk_ids) for qid, (_, chunk_ids) in work.items()], placement.engines, cfg.routing,
-                        batch=CALL_BATCHES * cfg.batch_size, in_flight=IN_FLIGHT)
+                        batch=cfg.batch_size, in_flight=IN_FLIGHT)
         run.start()
         completed = False
         try:
@@ -63,6 +66,7 @@ def answer_parallel(run: AnswerRun, todo: list[Query]) -> None:
             completed = True
         finally:
             run.end(completed)
+        engines.close()
     finally:
         if engines is not None:
             engines.stop()
@@ -90,32 +94,48 @@ def _engine_config(cfg: AnswerConfig, placement: Placement) -> AnswerConfig:
 
 
 def _dispatch(run: AnswerRun, engines: Engines, router: Router, work: dict[str, tuple[Query, list[str]]]) -> None:
-    calls: dict[ray.ObjectRef, tuple[int, list[str]]] = {}  # call -> (engine, query ids)
+    sent: dict[str, tuple[int, list[str]]] = {}  # query id -> (engine, its batch), until it comes back
+    back: set[str] = set()                       # query ids answered or failed
+    collects: dict[ray.ObjectRef, int] = {}      # each ready engine's pending collect -> engine
+
+    def came_back(qid: str) -> None:
+        back.add(qid)
+        slot, batch = sent.pop(qid)
+        if not any(other in sent for other in batch):
+            router.done(slot, batch)
+
     while not router.finished:
+        collecting = set(collects.values())
         for slot in engines.ready():
+            actor = engines.actors[slot]
             while batch := router.take(slot):
-                calls[engines.actors[slot].answer.remote([work[qid] for qid in batch])] = (slot, batch)
-        done, _ = ray.wait([*calls, *engines.starting], num_returns=1, timeout=WAIT_S)
+                # no return value: a submit lost with its engine shows as that engine's failed collect
+                actor.submit.options(num_returns=0).remote([work[qid] for qid in batch])
+                sent.update((qid, (slot, batch)) for qid in batch)
+            if slot not in collecting:
+                collects[actor.collect.remote(WAIT_S)] = slot
+        done, _ = ray.wait([*collects, *engines.starting], num_returns=1, timeout=WAIT_S)
         run.stop.check()
         for ref in done:
             if ref in engines.starting:
                 engines.settle(ref)
                 continue
-            slot, batch = calls.pop(ref)
+            slot = collects.pop(ref)
             try:
                 result = _get(ref)
             except RayActorError as exc:
-                for other in [r for r, (s, _) in calls.items() if s == slot]:
-                    del calls[other]
-                router.requeue(slot)
+                for qid in router.requeue(slot, answered=back):
+                    del sent[qid]
                 engines.restart(slot, exc)
                 continue
-            router.done(slot, batch)
             stats = engines.stats[slot]
-            stats.counters = result["cache"]
+            if result["cache"] is not None:
+                stats.counters = result["cache"]
             for qid, reason in result["errors"]:
+                came_back(qid)
                 run.fail(work[qid][0], reason)
             for row in result["rows"]:
+                came_back(row["id"])
                 stats.answered(row)
                 run.write(row)
 
@@ -185,6 +205,13 @@ class Engines:
         stats.restarted()
         self._spawn(slot)
 
+    def close(self) -> None:
+        """Every query is back: each engine ends its stream and gives back its GPU and store
+        (CLOSE_WAIT_S at most; `stop` kills them after)."""
+        closing = [actor.close.remote() for actor in self.actors if actor is not None]
+        if closing:
+            ray.wait(closing, num_returns=len(closing), timeout=CLOSE_WAIT_S)
+
     def stop(self) -> None:
         for actor in self.actors:
             if actor is not None:
@@ -199,7 +226,7 @@ class Engines:
     def _spawn(self, slot: int) -> None:
         # named, so that `ray list actors` shows which run and engine each actor is
         name = f"lazyrag-engine-{self._run}-{slot}-{self.stats[slot].restarts}"
-        actor = self._remote.options(name=name, num_gpus=self.placement.num_gpus,
-                                     num_cpus=self.placement.num_cpus).remote(self.cfg)
+        actor = self._remote.options(name=name, num_gpus=self.placement.num_gpus, num_cpus=self.placement.num_cpus,
+                                     max_concurrency=ACTOR_CALLS).remote(self.cfg)
         self.actors[slot] = actor
         self.starting[actor.start.remote()] = slot

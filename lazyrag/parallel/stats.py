@@ -24,7 +24,7 @@ class EngineStats:
     restarts: int = 0
     ttft_ms: list[float] = field(default_factory=list)
     past_lives: list[dict] = field(default_factory=list)  # the last counters of each life before a restart
-    counters: dict | None = None                          # this life's, as of its last answered batch
+    counters: dict | None = None                          # this life's, as of its last answers collected
 
     def answered(self, row: dict) -> None:
         self.queries += 1

@@ -58,15 +58,17 @@ class Engine:
         if cuda_graphs and self.device.type == "cuda":
             self.runner.capture_graphs(batch_size, pad_page=self.cache.alloc(1)[0])
 
-    def run(self, requests: Iterable[Request], on_finish: Callable[[Sequence], None], lookahead: int = 64,
+    def run(self, requests: Iterable[Request | None], on_finish: Callable[[Sequence], None], lookahead: int = 64,
             on_error: OnError | None = None) -> None:
-        """Answer every request. `on_finish` gets each one's Sequence as it ends (finishing
-        order): the request's id, chunks and meta, its generated ids, ttft_ms, latency_ms,
-        hits and misses. `on_error(seq, exc)` gets each request that fails because one of its
-        chunks cannot be read (a ChunkReadError, naming the chunk and its segment); the others
-        still run. Without it that error ends the run."""
-        scheduler = Scheduler(self.mode, self.cache, self.batch_size, (Sequence(r) for r in requests), lookahead,
-                              on_error)
+        """Answer every request. `requests` may be an open stream, yielding None while none has
+        arrived yet; the engine then runs what it has and asks again (lazyrag/serve/scheduler.py).
+        `on_finish` gets each one's Sequence as it ends (finishing order): the request's id,
+        chunks and meta, its generated ids, ttft_ms, latency_ms, hits and misses. `on_error(seq,
+        exc)` gets each request that fails because one of its chunks cannot be read (a
+        ChunkReadError, naming the chunk and its segment); the others still run. Without it that
+        error ends the run."""
+        sequences = (None if r is None else Sequence(r) for r in requests)
+        scheduler = Scheduler(self.mode, self.cache, self.batch_size, sequences, lookahead, on_error)
         while (step := scheduler.schedule()) is not None:
             if step.prefill:
                 self._choose_recompute(step.batch)

@@ -8,6 +8,10 @@ its place. The chunks of up to `lookahead` coming sequences are prefetched meanw
 The scheduler sees the cache only through `is_resident`, `available_pages` and
 `prefetch` (and the mode, which places a sequence, through the cache's allocator).
 
+The source of sequences may be an open stream: it yields None while nothing new has arrived,
+and the scheduler runs what it has and asks again at the next step (after OPEN_STREAM_POLL_S
+when it has nothing at all to run). It ends when the source is exhausted.
+
 A chunk that cannot be read (corrupt, or its segment missing or truncated) fails only the
 sequences that need it: their placement is undone and they go to `on_error`.
 """
@@ -26,6 +30,9 @@ from lazyrag.serve.request import Sequence
 from lazyrag.store import ChunkInfo, ChunkReadError
 
 OnError = Callable[[Sequence, ChunkReadError], None]
+# How long an idle scheduler waits before asking an open stream again: short beside a decode
+# step, long enough not to spin a core.
+OPEN_STREAM_POLL_S = 0.001
 
 
 @dataclass
@@ -35,9 +42,10 @@ class Step:
 
 
 class Scheduler:
-    def __init__(self, mode: ServingMode, cache: ChunkCache, batch_size: int, sequences: Iterable[Sequence],
-                 lookahead: int = 64, on_error: OnError | None = None):
-        """on_error(seq, exc): a sequence that failed because one of its chunks cannot be read,
+    def __init__(self, mode: ServingMode, cache: ChunkCache, batch_size: int,
+                 sequences: Iterable[Sequence | None], lookahead: int = 64, on_error: OnError | None = None):
+        """sequences: in arrival order; None from it means nothing has arrived yet (an open stream).
+        on_error(seq, exc): a sequence that failed because one of its chunks cannot be read,
         after everything its placement took has been given back; None re-raises the error."""
         if batch_size < 1:
             raise ValueError(f"the batch size must be at least 1, got {batch_size}")
@@ -49,10 +57,11 @@ class Scheduler:
         self._exhausted = False
 
     def schedule(self) -> Step | None:
-        """The next step, or None once every sequence has finished. While nothing can run
-        before the next arrival (an open-loop workload), it sleeps until then."""
+        """The next step, or None once the source is exhausted and every sequence has finished.
+        While nothing can run before the next arrival (an open-loop workload), it sleeps until
+        then; while an open stream has nothing yet, it asks again every OPEN_STREAM_POLL_S."""
         while True:
-            self._refill()
+            stream_idle = self._refill()
             for seq in self.waiting:
                 self.cache.prefetch(self.mode.cached_chunks(seq.request))
             admitted = self._admit(time.perf_counter())
@@ -63,7 +72,9 @@ class Scheduler:
             if not self.waiting:
                 if self._exhausted:
                     return None
-                continue  # every waiting sequence failed: take the next ones
+                if stream_idle:
+                    time.sleep(OPEN_STREAM_POLL_S)
+                continue  # take what arrived since, or the next ones when every waiting sequence failed
             time.sleep(max(0.0, self.waiting[0].arrival - time.perf_counter()))
 
     def fits(self, seq: Sequence) -> bool:
@@ -83,13 +94,18 @@ class Scheduler:
             self.running.remove(seq)
             seq.placement.release(self.cache)
 
-    def _refill(self) -> None:
+    def _refill(self) -> bool:
+        """Take arrived sequences up to the lookahead; True when the source said nothing has arrived yet."""
         while not self._exhausted and len(self.waiting) < self.lookahead:
-            nxt = next(self._source, None)
-            if nxt is None:
+            try:
+                nxt = next(self._source)
+            except StopIteration:
                 self._exhausted = True
-            else:
-                self.waiting.append(nxt)
+                break
+            if nxt is None:
+                return True
+            self.waiting.append(nxt)
+        return False
 
     def _admit(self, now: float) -> list[Sequence]:
         admitted, failed = [], []

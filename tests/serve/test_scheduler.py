@@ -1,6 +1,7 @@
 """Admission without a model: arrival order, the batch size limit, fit checks against the
-cache's free and evictable pages, waiting for running requests to free pages, and a request
-too large for the pool. Lazy mode, preamble of 3 tokens (page 0), page size 4."""
+cache's free and evictable pages, waiting for running requests to free pages, a request
+too large for the pool, and an open stream of requests. Lazy mode, preamble of 3 tokens
+(page 0), page size 4."""
 
 import time
 
@@ -9,7 +10,7 @@ from serve_fakes import PAGE_SIZE, PREAMBLE, chunk, make_cache, sequence
 
 from lazyrag.serve.modes import Lazy
 from lazyrag.serve.paged import OutOfPages
-from lazyrag.serve.scheduler import Scheduler
+from lazyrag.serve.scheduler import OPEN_STREAM_POLL_S, Scheduler
 
 A, B, C = chunk("a", 8), chunk("b", 8), chunk("c", 8)  # 2 pages each
 QUESTION = [7, 8]  # with 2 answer tokens: 1 own page
@@ -94,3 +95,37 @@ def test_the_batch_size_must_be_positive():
     cache, _ = make_cache(4)
     with pytest.raises(ValueError, match="at least 1"):
         Scheduler(Lazy(PREAMBLE, PAGE_SIZE, lambda copies: None), cache, 0, [])
+
+
+def test_an_open_stream_with_nothing_yet_runs_what_there_is_and_asks_again():
+    seqs = [sequence(str(i), [A], QUESTION, 2) for i in range(3)]
+    # "0" arrives, then nothing for a while, then "1" and "2"
+    sched, _, _ = setup(32, iter([seqs[0], None, None, seqs[1], None, seqs[2]]))
+    step = sched.schedule()
+    assert step.prefill and [s.id for s in step.batch] == ["0"]  # not held back by the stream's gap
+    step = sched.schedule()
+    assert not step.prefill and [s.id for s in step.batch] == ["0"]  # the next poll: still nothing
+    step = sched.schedule()
+    assert step.prefill and [s.id for s in step.batch] == ["1"]
+    step = sched.schedule()
+    assert step.prefill and [s.id for s in step.batch] == ["2"]
+    for seq in seqs:
+        finish(seq)
+    sched.retire()
+    assert sched.schedule() is None  # the stream ended and nothing runs
+
+
+def test_an_idle_scheduler_waits_between_polls_of_an_open_stream():
+    polls = []
+
+    def stream():
+        for _ in range(3):
+            polls.append(time.perf_counter())
+            yield None
+        polls.append(time.perf_counter())
+        yield sequence("late", [A], QUESTION, 2)
+
+    sched, _, _ = setup(32, stream())
+    step = sched.schedule()  # nothing waiting or running: waits for the stream instead of ending
+    assert [s.id for s in step.batch] == ["late"]
+    assert all(b - a >= OPEN_STREAM_POLL_S for a, b in zip(polls, polls[1:]))
