@@ -122,6 +122,16 @@ def test_answer_killed_midway_resumes_each_query_once(demo_store, tmp_path):
     assert sorted(ids) == sorted(expected)  # every query, exactly once
 
 
+def test_stats_into_a_reader_that_stopped_reading_exits_quietly(demo_store):
+    # `lazyrag stats --json | head -c 1`: the pipe closes before stats writes
+    args = [sys.executable, "-m", "lazyrag.cli", "stats", "--store", str(demo_store), "--json"]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()
+    stderr = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 0, stderr
+    assert "Broken pipe" not in stderr and "Traceback" not in stderr and "error" not in stderr
+
+
 def test_help_explains_the_commands():
     res = cli("--help")
     assert res.exit_code == 0
