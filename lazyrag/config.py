@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -15,6 +16,11 @@ DEFAULT_STORE = Path("lazyrag.zarr")
 DEFAULT_MODEL = "smollm2-135m"
 PAGE_SIZES = (16, 32, 64, 128)  # what the attention kernels take (a power of two in 16..128)
 DEVICES = "auto, cpu, cuda or cuda:N"
+
+
+def lazyrag_home() -> Path:
+    """Where lazyrag keeps what it downloads and derives: models, catalogs of remote stores."""
+    return Path(os.environ.get("LAZYRAG_HOME", "~/.cache/lazyrag")).expanduser()
 ROUTINGS = ("affinity", "round-robin")  # how `answer --data-parallel` spreads queries (lazyrag/parallel/router.py)
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -25,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from lazyrag.config import DEFAULT_MODEL
+from lazyrag.config import DEFAULT_MODEL, lazyrag_home
 
 from .presets import PRESETS, byte_tokenizer, preset_config
 from .transformer import SUPPORTED_FAMILIES, ModelConfig, Transformer, rope_frequencies
@@ -70,10 +69,6 @@ class LoadedModel:
         if im_end is not None:
             ids.add(im_end)
         return ids
-
-
-def lazyrag_home() -> Path:
-    return Path(os.environ.get("LAZYRAG_HOME", "~/.cache/lazyrag")).expanduser()
 
 
 def resolve_device(device: str) -> torch.device:

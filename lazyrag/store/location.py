@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
+from lazyrag.config import lazyrag_home
+
 # the schemes obstore opens from a URL (S3, Google Cloud Storage, Azure)
 OBJECT_SCHEMES = ("s3", "s3a", "gs", "az", "azure", "abfs", "abfss", "adl")
 CACHE_VAR = "LAZYRAG_CACHE_DIR"
@@ -52,7 +54,7 @@ def catalog_cache(url: StoreURL, root_metadata: bytes) -> Path:
     """The local directory that holds the catalog of the store at ``url``. Its name hashes the URL and the
     store's zarr.json (which holds the time it was created), so a store made again at the same URL gets a
     fresh catalog instead of the old one's rows."""
-    default = Path(os.environ.get("LAZYRAG_HOME", "~/.cache/lazyrag")).expanduser() / "stores"
+    default = lazyrag_home() / "stores"
     base = Path(os.environ[CACHE_VAR]).expanduser() if os.environ.get(CACHE_VAR) else default
     digest = hashlib.sha256(url.url.encode() + b"\0" + root_metadata).hexdigest()[:24]
     return base / digest

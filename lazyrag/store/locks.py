@@ -17,13 +17,8 @@ from .format import LOCK_FILE, READ_LOCK_FILE, StoreBusy
 def take_write_lock(path: Path) -> int:
     """The store's writer lock, held by the returned descriptor; StoreBusy if another process has it."""
     fd = os.open(path / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise StoreBusy(f"{path} is being written by another process (lazyrag index or compact); "
-                        "wait for it to finish") from None
-    return fd
+    return _flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, f"{path} is being written by another process (lazyrag "
+                  "index or compact); wait for it to finish")
 
 
 def take_read_lock(path: Path, create: bool = True) -> int | None:
@@ -33,12 +28,8 @@ def take_read_lock(path: Path, create: bool = True) -> int | None:
     fd = _open_read_lock(path, create)
     if fd is None:
         return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise StoreBusy(f"{path} is being compacted (lazyrag compact); run again when it has finished") from None
-    return fd
+    return _flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB,
+                  f"{path} is being compacted (lazyrag compact); run again when it has finished")
 
 
 def take_exclusive_read_lock(path: Path, wait: bool) -> int:
@@ -47,12 +38,17 @@ def take_exclusive_read_lock(path: Path, wait: bool) -> int:
     fd = _open_read_lock(path)
     if fd is None:
         raise StoreBusy(f"{path}: cannot create its {READ_LOCK_FILE}; is the store on a read-only disk?")
+    return _flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB), f"{path} is open for reading (an answer "
+                  "or stats run); wait for it to finish, or pass --wait to wait for it")
+
+
+def _flock(fd: int, operation: int, busy: str) -> int:
+    """``fd`` locked with ``operation``; closed, and StoreBusy(busy), when another process holds it."""
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        fcntl.flock(fd, operation)
     except BlockingIOError:
         os.close(fd)
-        raise StoreBusy(f"{path} is open for reading (an answer or stats run); wait for it to finish, "
-                        "or pass --wait to wait for it") from None
+        raise StoreBusy(busy) from None
     return fd
 
 
