@@ -3,7 +3,10 @@
 ``lazy_prefill`` and ``lazy_decode`` read each request's pages through a :class:`PageTable` and
 rotate the query by each page's delta inside the kernel, so one stored copy of a chunk serves
 every request at every offset (optionally with APE's temperature and scale on a range of each
-request's entries); ``rotate_copy`` re-rotates pages for the block baseline. CUDA
+request's entries); ``shared_prefill`` and ``shared_decode`` do the same chunk-major, reading
+each page that several requests share once for all of them (``group_shared``, ``plan_shared``);
+``rotate_copy`` re-rotates pages for the block baseline. Pages are fp16, bf16,
+fp32, or float8 e4m3 with a scale per (token, KV head) (``quantize_fp8``). CUDA
 tensors run the Triton kernels, CPU tensors the PyTorch ``reference`` (or, inside
 ``cpu_backend("triton")``, the Triton interpreter). docs/kernels.md is the contract: positions,
 page pool and table, the causal rule, every keyword, the tuning tables and the dispatch.
@@ -16,43 +19,86 @@ from torch import Tensor
 from . import reference
 from .checks import check_ape, check_attention, check_rotate_copy
 from .dispatch import backend, cpu_backend, implementation
+from .fp8 import FP8, dequantize_fp8, fp8_supported, quantize_fp8
 from .pages import PageTable, ape_enabled
 from .rope import rope
+from .shared_pages import SharedPages, group_shared
+from .shared_plan import PlanLayout, SharedPlan, check_plan, empty_plan, plan_shared
 
 __all__ = ["PageTable", "lazy_prefill", "lazy_decode", "rotate_copy", "reference", "rope", "backend",
-           "cpu_backend", "ape_enabled", "check_ape"]
+           "cpu_backend", "ape_enabled", "check_ape", "FP8", "quantize_fp8", "dequantize_fp8", "fp8_supported",
+           "SharedPages", "group_shared", "SharedPlan", "PlanLayout", "plan_shared", "empty_plan", "shared_prefill",
+           "shared_decode"]
 
 
 def lazy_prefill(q: Tensor, k_pages: Tensor, v_pages: Tensor, pages: PageTable, cu_seqlens_q: Tensor,
                  q_pos: Tensor, inv_freq: Tensor, sm_scale: float, rotate: bool = True,
-                 ape_temperature: float = 1.0, ape_scale: float = 1.0, **tuning) -> Tensor:
+                 ape_temperature: float = 1.0, ape_scale: float = 1.0, k_scale: Tensor | None = None,
+                 v_scale: Tensor | None = None, **tuning) -> Tensor:
     """Varlen prefill over paged KV with deferred RoPE (docs/kernels.md)."""
-    check_attention(q, k_pages, v_pages, pages, inv_freq, ape_temperature, ape_scale)
+    check_attention(q, k_pages, v_pages, pages, inv_freq, ape_temperature, ape_scale, k_scale, v_scale)
     if cu_seqlens_q.dtype != torch.int32 or cu_seqlens_q.shape != (pages.batch + 1,):
         raise ValueError(f"cu_seqlens_q must be int32 [B+1] = [{pages.batch + 1}]")
     if q_pos.dtype != torch.int32 or q_pos.shape != (q.shape[0],):
         raise ValueError(f"q_pos must be int32 [total_q] = [{q.shape[0]}]")
     return implementation(q).lazy_prefill(q, k_pages, v_pages, pages, cu_seqlens_q, q_pos, inv_freq, sm_scale,
-                                          rotate, ape_temperature, ape_scale, **tuning)
+                                          rotate, ape_temperature, ape_scale, k_scale=k_scale, v_scale=v_scale,
+                                          **tuning)
 
 
 def lazy_decode(q: Tensor, k_pages: Tensor, v_pages: Tensor, pages: PageTable, q_pos: Tensor,
                 inv_freq: Tensor, sm_scale: float, rotate: bool = True, ape_temperature: float = 1.0,
-                ape_scale: float = 1.0, **tuning) -> Tensor:
+                ape_scale: float = 1.0, k_scale: Tensor | None = None, v_scale: Tensor | None = None,
+                **tuning) -> Tensor:
     """One query token per request over paged KV, flash-decoding (docs/kernels.md)."""
-    check_attention(q, k_pages, v_pages, pages, inv_freq, ape_temperature, ape_scale)
+    check_attention(q, k_pages, v_pages, pages, inv_freq, ape_temperature, ape_scale, k_scale, v_scale)
     if q.shape[0] != pages.batch:
         raise ValueError(f"q has {q.shape[0]} requests, the page table {pages.batch}")
     if q_pos.dtype != torch.int32 or q_pos.shape != (q.shape[0],):
         raise ValueError(f"q_pos must be int32 [B] = [{q.shape[0]}]")
     return implementation(q).lazy_decode(q, k_pages, v_pages, pages, q_pos, inv_freq, sm_scale, rotate,
-                                         ape_temperature, ape_scale, **tuning)
+                                         ape_temperature, ape_scale, k_scale=k_scale, v_scale=v_scale, **tuning)
+
+
+def shared_prefill(q: Tensor, k_pages: Tensor, v_pages: Tensor, pages: PageTable, shared: SharedPlan,
+                   cu_seqlens_q: Tensor, q_pos: Tensor, inv_freq: Tensor, sm_scale: float,
+                   ape_temperature: float = 1.0, ape_scale: float = 1.0, **tuning) -> Tensor:
+    """lazy_prefill chunk-major: `pages` is each request's remainder, `shared` the plan of the
+    runs they share (docs/kernels.md, "Chunk-major attention")."""
+    check_attention(q, k_pages, v_pages, pages, inv_freq, ape_temperature, ape_scale)
+    check_plan(shared, q, k_pages, decode=False)
+    if cu_seqlens_q.dtype != torch.int32 or cu_seqlens_q.shape != (pages.batch + 1,):
+        raise ValueError(f"cu_seqlens_q must be int32 [B+1] = [{pages.batch + 1}]")
+    if q_pos.dtype != torch.int32 or q_pos.shape != (q.shape[0],):
+        raise ValueError(f"q_pos must be int32 [total_q] = [{q.shape[0]}]")
+    return implementation(q).shared_prefill(q, k_pages, v_pages, pages, shared, cu_seqlens_q, q_pos, inv_freq,
+                                            sm_scale, ape_temperature, ape_scale, **tuning)
+
+
+def shared_decode(q: Tensor, k_pages: Tensor, v_pages: Tensor, pages: PageTable, shared: SharedPlan, q_pos: Tensor,
+                  inv_freq: Tensor, sm_scale: float, ape_temperature: float = 1.0, ape_scale: float = 1.0,
+                  **tuning) -> Tensor:
+    """lazy_decode chunk-major: `pages` is each request's remainder, `shared` the plan of the
+    runs they share (docs/kernels.md, "Chunk-major attention")."""
+    check_attention(q, k_pages, v_pages, pages, inv_freq, ape_temperature, ape_scale)
+    check_plan(shared, q, k_pages, decode=True)
+    if q.shape[0] != pages.batch:
+        raise ValueError(f"q has {q.shape[0]} requests, the page table {pages.batch}")
+    if q_pos.dtype != torch.int32 or q_pos.shape != (q.shape[0],):
+        raise ValueError(f"q_pos must be int32 [B] = [{q.shape[0]}]")
+    return implementation(q).shared_decode(q, k_pages, v_pages, pages, shared, q_pos, inv_freq, sm_scale,
+                                           ape_temperature, ape_scale, **tuning)
 
 
 def rotate_copy(k_pages: Tensor, v_pages: Tensor, src: Tensor, dst: Tensor, delta: Tensor, inv_freq: Tensor,
-                dst_k: Tensor | None = None, dst_v: Tensor | None = None):
-    """Copy pages ``src[i] -> dst[i]`` with keys re-rotated by ``delta[i]`` (docs/kernels.md)."""
+                dst_k: Tensor | None = None, dst_v: Tensor | None = None, k_scale: Tensor | None = None,
+                v_scale: Tensor | None = None, dst_k_scale: Tensor | None = None, dst_v_scale: Tensor | None = None):
+    """Copy pages ``src[i] -> dst[i]`` with keys re-rotated by ``delta[i]`` (docs/kernels.md); fp8 keys are
+    requantised row by row, values and their scales copied."""
     dk = k_pages if dst_k is None else dst_k
     dv = v_pages if dst_v is None else dst_v
-    check_rotate_copy(k_pages, v_pages, src, dst, delta, inv_freq, dk, dv)
-    return implementation(k_pages).rotate_copy(k_pages, v_pages, src, dst, delta, inv_freq, dst_k=dk, dst_v=dv)
+    dks = k_scale if dst_k is None else dst_k_scale
+    dvs = v_scale if dst_v is None else dst_v_scale
+    check_rotate_copy(k_pages, v_pages, src, dst, delta, inv_freq, dk, dv, k_scale, v_scale, dks, dvs)
+    return implementation(k_pages).rotate_copy(k_pages, v_pages, src, dst, delta, inv_freq, dst_k=dk, dst_v=dv,
+                                               k_scale=k_scale, v_scale=v_scale, dst_k_scale=dks, dst_v_scale=dvs)

@@ -46,7 +46,8 @@ def backend(t: Tensor) -> str:
 
 
 def implementation(t: Tensor):
-    """The module whose lazy_prefill, lazy_decode and rotate_copy serve a call on tensor ``t``."""
+    """The module whose kernels (lazy_prefill, lazy_decode, shared_prefill, shared_decode,
+    rotate_copy) serve a call on tensor ``t``."""
     if backend(t) == "reference":
         return reference
     if triton_ops is None:

@@ -1,5 +1,7 @@
 """The key loop both attention kernels share: a request's pages walked one page per key block,
-with online softmax and the rotated query rebuilt where a page's delta changes.
+with online softmax and the rotated query rebuilt where a page's delta changes. fp8 pages are
+converted to the query's dtype in registers, their scales applied to the scores (keys) and to
+the probabilities (values).
 
 Also the host-side values that pick its variant (dtype, dot precision, offset width) and its
 logit scales.
@@ -31,6 +33,14 @@ def precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+def scale_args(k_pages: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> tuple:
+    """(KS, VS, stride_ksp, stride_vsp, stride_st) of a launch: an fp8 pool's scales and their strides,
+    or placeholders the compiled-out branch never reads."""
+    if k_scale is None:
+        return None, None, 0, 0, 0
+    return k_scale, v_scale, k_scale.stride(0), v_scale.stride(0), k_scale.stride(1)
+
+
 def needs_idx64(k_pages: torch.Tensor, v_pages: torch.Tensor) -> bool:
     # int32 page offsets suffice while every element of the pools is addressable in int32
     return max(k_pages.shape[0] * k_pages.stride(0), v_pages.shape[0] * v_pages.stride(0)) >= 2**31
@@ -48,13 +58,15 @@ def query_at(qrows, qmask, qpos, d, invf, HALF: tl.constexpr, DTYPE: tl.constexp
 
 
 @triton.jit
-def page_step(q, p, d, qpos, qmin, acc, m_i, l_i, K, V, ids_row, start_row, len_row, kvh,
-              stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, qk_scale,
-              ape_lo, ape_hi, ape_qk_scale, ape_bias,
+def page_step(q, p, d, qpos, qmin, acc, m_i, l_i, K, V, KS, VS, ids_row, start_row, len_row, kvh,
+              stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, stride_ksp, stride_vsp,
+              stride_st, qk_scale, ape_lo, ape_hi, ape_qk_scale, ape_bias,
               DTYPE: tl.constexpr, PS: tl.constexpr, HALF: tl.constexpr,
-              PREC: tl.constexpr, IDX64: tl.constexpr, TMA: tl.constexpr, APE: tl.constexpr):
+              PREC: tl.constexpr, IDX64: tl.constexpr, TMA: tl.constexpr, APE: tl.constexpr, FP8: tl.constexpr):
     """Online softmax over page entry p (of delta d): one key block of PS keys. APE: entries
-    ape_lo <= p < ape_hi take ape_qk_scale and ape_bias (logit_scales)."""
+    ape_lo <= p < ape_hi take ape_qk_scale and ape_bias (logit_scales). FP8: the page's rows
+    carry scales KS, VS [pages, PS, kv_heads] (token stride stride_st): (q . k8) * k_scale is
+    q . k, and p * v_scale before the dot is p . v, so no dequantised page is ever built."""
     offs_n = tl.arange(0, PS)
     offs_d = tl.arange(0, 2 * HALF)
     pid = tl.load(ids_row + p)
@@ -66,12 +78,15 @@ def page_step(q, p, d, qpos, qmin, acc, m_i, l_i, K, V, ids_row, start_row, len_
         k = K.load([pid * PS, kvh * (2 * HALF)])
     else:
         k = tl.load(K + pid * stride_kp + kvh * stride_kh + offs_n[:, None] * stride_kt + offs_d[None, :])
+    qk = tl.dot(q, tl.trans(k.to(DTYPE)), input_precision=PREC)
+    if FP8:
+        qk = qk * tl.load(KS + pid * stride_ksp + offs_n * stride_st + kvh)[None, :]
     if APE:
         in_ape = (p >= ape_lo) & (p < ape_hi)
-        s = tl.dot(q, tl.trans(k), input_precision=PREC) * tl.where(in_ape, ape_qk_scale, qk_scale)
+        s = qk * tl.where(in_ape, ape_qk_scale, qk_scale)
         s = s + tl.where(in_ape, ape_bias, 0.0)
     else:
-        s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+        s = qk * qk_scale
     # mask only pages that need it: partly filled, or holding keys after the earliest query
     if (n_valid < PS) | (k0 + PS - 1 > qmin):
         keep = (offs_n < n_valid)[None, :] & ((k0 + offs_n)[None, :] <= qpos[:, None])
@@ -87,18 +102,22 @@ def page_step(q, p, d, qpos, qmin, acc, m_i, l_i, K, V, ids_row, start_row, len_
     else:
         v = tl.load(V + pid * stride_vp + kvh * stride_vh + offs_n[:, None] * stride_vt + offs_d[None, :])
     acc = acc * alpha[:, None]
-    acc = tl.dot(pr.to(DTYPE), v, acc, input_precision=PREC)
+    if FP8:
+        pv = pr * tl.load(VS + pid * stride_vsp + offs_n * stride_st + kvh)[None, :]
+    else:
+        pv = pr
+    acc = tl.dot(pv.to(DTYPE), v.to(DTYPE), acc, input_precision=PREC)
     return acc, m_new, l_i
 
 
 @triton.jit
 def attn_pages(qrows, qmask, qpos, qmin, invf, acc, m_i, l_i,
-               K, V, ids_row, delta_row, start_row, len_row, kvh, p_lo, p_hi,
-               stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
+               K, V, KS, VS, ids_row, delta_row, start_row, len_row, kvh, p_lo, p_hi,
+               stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, stride_ksp, stride_vsp, stride_st,
                qk_scale, ape_lo, ape_hi, ape_qk_scale, ape_bias,
                DTYPE: tl.constexpr, PS: tl.constexpr, HALF: tl.constexpr, BLOCK_M: tl.constexpr,
                ROTATE: tl.constexpr, PREC: tl.constexpr, IDX64: tl.constexpr, TMA: tl.constexpr,
-               APE: tl.constexpr):
+               APE: tl.constexpr, FP8: tl.constexpr):
     """Online softmax over page entries [p_lo, p_hi) of one request, one page per key block.
 
     qrows: row pointers to the query (qmin: the earliest position among the rows, which
@@ -109,7 +128,8 @@ def attn_pages(qrows, qmask, qpos, qmin, invf, acc, m_i, l_i,
     from scratch, in fp32, by each row's own angle: with cheap cos/sin that beats keeping a
     per-row rotation in scratch, and one flat loop beats a loop per delta.
     APE (compiled out unless set): entries ape_lo <= p < ape_hi of the request take APE's
-    temperature and scale (page_step).
+    temperature and scale (page_step). FP8 (compiled out unless set): e4m3 pages with their
+    scales KS, VS (page_step).
     """
     if ROTATE:
         q = tl.zeros([BLOCK_M, 2 * HALF], dtype=DTYPE)
@@ -122,7 +142,8 @@ def attn_pages(qrows, qmask, qpos, qmin, invf, acc, m_i, l_i,
             if d != d_cur:
                 q = query_at(qrows, qmask, qpos, d, invf, HALF, DTYPE)
                 d_cur = d
-        acc, m_i, l_i = page_step(q, p, d, qpos, qmin, acc, m_i, l_i, K, V, ids_row, start_row, len_row, kvh,
-                                  stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, qk_scale,
-                                  ape_lo, ape_hi, ape_qk_scale, ape_bias, DTYPE, PS, HALF, PREC, IDX64, TMA, APE)
+        acc, m_i, l_i = page_step(q, p, d, qpos, qmin, acc, m_i, l_i, K, V, KS, VS, ids_row, start_row, len_row, kvh,
+                                  stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, stride_ksp,
+                                  stride_vsp, stride_st, qk_scale, ape_lo, ape_hi, ape_qk_scale, ape_bias, DTYPE, PS,
+                                  HALF, PREC, IDX64, TMA, APE, FP8)
     return acc, m_i, l_i

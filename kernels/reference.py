@@ -6,7 +6,8 @@ request: one batched matmul over all pages (the query rotated for each page's de
 one SDPA call when the request has a single delta; no per-key Python loops.
 Scores and softmax are computed in fp32; the rotated query is rounded to the input dtype
 before the dot product, as the kernels do. APE's temperature and scale, where given, scale
-and shift the scores of the request's APE entries.
+and shift the scores of the request's APE entries. fp8 pages are dequantised (values times
+their row's scale, in fp32) as each request gathers them.
 """
 from __future__ import annotations
 
@@ -16,17 +17,25 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .fp8 import dequantize_fp8, quantize_fp8
 from .pages import PageTable, ape_enabled
 from .rope import rope
+from .shared_plan import SharedPlan, full_table
 
 
-def _attend_one(qb, mpos, k_pages, v_pages, ids, delta, start, length, inv_freq, sm_scale, rotate, ape=None):
-    """One request: qb [L, H, D] (input dtype), mpos [L] int32; page entries already cut to count.
-    ape: None, or (lo, hi, 1 / T, ln S) for a non-empty run of entries lo <= p < hi."""
+def _gather(pages: Tensor, scale: Tensor | None, ids: Tensor) -> Tensor:
+    """Pages ``ids`` of a pool: as stored, or dequantised to fp32 when the pool is fp8 (``scale`` given)."""
+    ids = ids.long()
+    return pages[ids] if scale is None else dequantize_fp8(pages[ids], scale[ids])
+
+
+def _attend_one(qb, mpos, K, V, delta, start, length, inv_freq, sm_scale, rotate, ape=None):
+    """One request: qb [L, H, D] (input dtype), mpos [L] int32; K, V [n, PS, Hkv, D] its gathered
+    pages, entries already cut to count. ape: None, or (lo, hi, 1 / T, ln S) for a non-empty run of
+    entries lo <= p < hi."""
     L, H, D = qb.shape
-    _, PS, Hkv, _ = k_pages.shape
+    n, PS, Hkv, _ = K.shape
     G = H // Hkv
-    n = ids.shape[0]
     N = n * PS
     dev = qb.device
     j = torch.arange(PS, device=dev, dtype=torch.int64)
@@ -39,8 +48,7 @@ def _attend_one(qb, mpos, k_pages, v_pages, ids, delta, start, length, inv_freq,
         # rotating the query once makes this ordinary attention
         if rotate and len(deltas):
             qb = rope(qb.to(torch.float32), mpos - deltas[0], inv_freq).to(qb.dtype)
-        return _attend_plain(qb, mpos, k_pages[ids.long()].reshape(N, Hkv, D), v_pages[ids.long()].reshape(N, Hkv, D),
-                             kpos, valid, sm_scale)
+        return _attend_plain(qb, mpos, K.reshape(N, Hkv, D), V.reshape(N, Hkv, D), kpos, valid, sm_scale)
 
     mask = valid[None, :] & (kpos[None, :] <= mpos.long()[:, None])  # [L, N]
     # the query rotated by R(m - delta) once per distinct delta, rounded to the input dtype as
@@ -52,8 +60,8 @@ def _attend_one(qb, mpos, k_pages, v_pages, ids, delta, start, length, inv_freq,
         qr = qr.view(len(deltas), L, H, D)[page_delta]
     else:  # keys at their logical positions: the same query for every page
         qr = qb.to(torch.float32).expand(n, L, H, D)
-    K = k_pages[ids.long()].to(torch.float32)  # [n, PS, Hkv, D]
-    V = v_pages[ids.long()].reshape(N, Hkv, D).to(torch.float32).permute(1, 0, 2)  # [Hkv, N, D]
+    K = K.to(torch.float32)
+    V = V.reshape(N, Hkv, D).to(torch.float32).permute(1, 0, 2)  # [Hkv, N, D]
     scores = torch.einsum("nphd,nlhgd->hnpgl", K, qr.reshape(n, L, Hkv, G, D)).reshape(Hkv, N, G, L)
     scores.mul_(sm_scale)
     if ape is not None:
@@ -92,8 +100,10 @@ def _attend_plain(qb, mpos, k, v, kpos, valid, sm_scale):
     return torch.where(mask.any(1)[:, None, None], o[0].transpose(0, 1), 0.0)
 
 
-def _check(q, k_pages, v_pages, inv_freq):
+def _check(q, k_pages, v_pages, inv_freq, k_scale, v_scale):
     D = q.shape[-1]
+    if (k_pages.dtype == torch.float8_e4m3fn) != (k_scale is not None and v_scale is not None):
+        raise ValueError("k_scale and v_scale come with float8_e4m3fn pages, and only with them")
     if D not in (64, 128):
         raise ValueError(f"head_dim must be 64 or 128, got {D}")
     if k_pages.shape != v_pages.shape or k_pages.dim() != 4 or k_pages.shape[-1] != D:
@@ -119,8 +129,9 @@ def _ape_ranges(pages: PageTable, counts: list[int], temperature: float, scale: 
 
 def lazy_prefill(q: Tensor, k_pages: Tensor, v_pages: Tensor, pages: PageTable, cu_seqlens_q: Tensor,
                  q_pos: Tensor, inv_freq: Tensor, sm_scale: float, rotate: bool = True,
-                 ape_temperature: float = 1.0, ape_scale: float = 1.0, **_unused) -> Tensor:
-    _check(q, k_pages, v_pages, inv_freq)
+                 ape_temperature: float = 1.0, ape_scale: float = 1.0, k_scale: Tensor | None = None,
+                 v_scale: Tensor | None = None, **_unused) -> Tensor:
+    _check(q, k_pages, v_pages, inv_freq, k_scale, v_scale)
     out = torch.zeros_like(q)
     inv_freq = inv_freq.to(device=q.device, dtype=torch.float32)
     cu = cu_seqlens_q.tolist()
@@ -130,31 +141,57 @@ def lazy_prefill(q: Tensor, k_pages: Tensor, v_pages: Tensor, pages: PageTable, 
         qs, qe, n = cu[b], cu[b + 1], counts[b]
         if qe <= qs or n <= 0:
             continue
-        o = _attend_one(q[qs:qe], q_pos[qs:qe], k_pages, v_pages, pages.ids[b, :n], pages.delta[b, :n],
-                        pages.start[b, :n], pages.length[b, :n], inv_freq, sm_scale, rotate, apes[b])
+        ids = pages.ids[b, :n]
+        o = _attend_one(q[qs:qe], q_pos[qs:qe], _gather(k_pages, k_scale, ids), _gather(v_pages, v_scale, ids),
+                        pages.delta[b, :n], pages.start[b, :n], pages.length[b, :n], inv_freq, sm_scale, rotate,
+                        apes[b])
         out[qs:qe] = o.to(q.dtype)
     return out
 
 
 def lazy_decode(q: Tensor, k_pages: Tensor, v_pages: Tensor, pages: PageTable, q_pos: Tensor,
                 inv_freq: Tensor, sm_scale: float, rotate: bool = True, ape_temperature: float = 1.0,
-                ape_scale: float = 1.0, **_unused) -> Tensor:
+                ape_scale: float = 1.0, k_scale: Tensor | None = None, v_scale: Tensor | None = None,
+                **_unused) -> Tensor:
     B = q.shape[0]
     cu = torch.arange(B + 1, dtype=torch.int32, device=q.device)
     return lazy_prefill(q, k_pages, v_pages, pages, cu, q_pos, inv_freq, sm_scale, rotate, ape_temperature,
-                        ape_scale)
+                        ape_scale, k_scale, v_scale)
 
 
 def rotate_copy(k_pages: Tensor, v_pages: Tensor, src: Tensor, dst: Tensor, delta: Tensor, inv_freq: Tensor,
-                dst_k: Tensor | None = None, dst_v: Tensor | None = None):
-    dst_k = k_pages if dst_k is None else dst_k
-    dst_v = v_pages if dst_v is None else dst_v
+                dst_k: Tensor | None = None, dst_v: Tensor | None = None, k_scale: Tensor | None = None,
+                v_scale: Tensor | None = None, dst_k_scale: Tensor | None = None, dst_v_scale: Tensor | None = None):
+    if dst_k is None:
+        dst_k, dst_k_scale = k_pages, k_scale
+    if dst_v is None:
+        dst_v, dst_v_scale = v_pages, v_scale
     s = src.long()
-    k = k_pages[s].to(torch.float32)  # [N, PS, Hkv, D]
+    k = _gather(k_pages, k_scale, s).to(torch.float32)  # [N, PS, Hkv, D]
     v = v_pages[s].clone()
     # every row of page i turns by delta[i]: the page's rows are rope's heads
     rot = rope(k.flatten(1, 2), delta, inv_freq.to(torch.float32)).view_as(k)
     d = dst.long()
-    dst_k[d] = rot.to(dst_k.dtype)
+    if k_scale is None:
+        dst_k[d] = rot.to(dst_k.dtype)
+    else:  # fp8: each rotated row requantised, the values' scales copied with them
+        dst_k[d], dst_k_scale[d] = quantize_fp8(rot)
+        dst_v_scale[d] = v_scale[s].clone()
     dst_v[d] = v.to(dst_v.dtype)
     return dst_k, dst_v
+
+
+def shared_prefill(q: Tensor, k_pages: Tensor, v_pages: Tensor, pages: PageTable, plan: SharedPlan,
+                   cu_seqlens_q: Tensor, q_pos: Tensor, inv_freq: Tensor, sm_scale: float,
+                   ape_temperature: float = 1.0, ape_scale: float = 1.0, **_unused) -> Tensor:
+    """Chunk-major prefill, the same math: each request's whole table rebuilt from its remainder
+    and the plan's shared runs."""
+    return lazy_prefill(q, k_pages, v_pages, full_table(pages, plan), cu_seqlens_q, q_pos, inv_freq, sm_scale, True,
+                        ape_temperature, ape_scale)
+
+
+def shared_decode(q: Tensor, k_pages: Tensor, v_pages: Tensor, pages: PageTable, plan: SharedPlan, q_pos: Tensor,
+                  inv_freq: Tensor, sm_scale: float, ape_temperature: float = 1.0, ape_scale: float = 1.0,
+                  **_unused) -> Tensor:
+    return lazy_decode(q, k_pages, v_pages, full_table(pages, plan), q_pos, inv_freq, sm_scale, True, ape_temperature,
+                       ape_scale)

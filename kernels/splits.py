@@ -1,15 +1,15 @@
 """Split-and-merge (flash-decoding): a program's pages split evenly across programs, each
 writing a normalised partial output and its log2-sum-exp to fp32 scratch, then one merge.
 
-The split count follows a rule (``split_count``) that fills the GPU's resident programs.
+The split count follows a rule (``tuning.split_count``) that fills the GPU's resident programs.
 """
 from __future__ import annotations
-
-import functools
 
 import torch
 import triton
 import triton.language as tl
+
+from .tuning import split_count  # noqa: F401  (the rule lives with the launch settings: no triton)
 
 POISON_SCRATCH = False  # tests: fill split scratch with NaN to catch unwritten partials
 
@@ -67,16 +67,3 @@ def merge_splits(op: torch.Tensor, lse: torch.Tensor, o: torch.Tensor, num_split
     # new value must not compile a new kernel mid-run); the merge rounds it up to a power of two
     _merge_splits_kernel[(R, H)](op, lse, o, o.stride(0), o.stride(1), H, num_splits, D=D,
                                  SPLITS_P2=triton.next_power_of_2(num_splits), num_warps=4)
-
-
-@functools.lru_cache(maxsize=1024)
-def split_count(n_programs: int, max_splits: int, slots: int) -> int:
-    """How many parts to split each program's pages into, given n_programs unsplit programs
-    and `slots` programs resident at once on the GPU.
-
-    Time ~ waves x (a split's share of the walk + a fixed cost), since a last wave that fills
-    part of the GPU costs as much as a full one; the fixed cost (prologue, partial write,
-    merge) is taken as 1/32 of the walk (4 pages of an 8K context). A grid that leaves
-    slots idle is thus split until it fills them; never more splits than max_splits or 64."""
-    return min(range(1, max(1, min(64, max_splits)) + 1),
-               key=lambda s: (triton.cdiv(n_programs * s, slots) * (1 / s + 1 / 32), s))

@@ -2,5 +2,6 @@
 from .decode import lazy_decode
 from .page_copy import rotate_copy
 from .prefill import lazy_prefill
+from .shared_attention import shared_decode, shared_prefill
 
-__all__ = ["lazy_decode", "lazy_prefill", "rotate_copy"]
+__all__ = ["lazy_decode", "lazy_prefill", "rotate_copy", "shared_decode", "shared_prefill"]

@@ -71,3 +71,16 @@ def num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 4
+
+
+@functools.lru_cache(maxsize=1024)
+def split_count(n_programs: int, max_splits: int, slots: int) -> int:
+    """How many parts to split each program's pages into, given n_programs unsplit programs
+    and `slots` programs resident at once on the GPU.
+
+    Time ~ waves x (a split's share of the walk + a fixed cost), since a last wave that fills
+    part of the GPU costs as much as a full one; the fixed cost (prologue, partial write,
+    merge) is taken as 1/32 of the walk (4 pages of an 8K context). A grid that leaves
+    slots idle is thus split until it fills them; never more splits than max_splits or 64."""
+    return min(range(1, max(1, min(64, max_splits)) + 1),
+               key=lambda s: (-(-n_programs * s // slots) * (1 / s + 1 / 32), s))

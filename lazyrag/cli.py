@@ -15,8 +15,8 @@ from rich.console import Console
 from rich.markup import escape
 from typer.core import TyperGroup
 
-from lazyrag.config import (DEFAULT_MODEL, DEFAULT_STORE, DEVICES, PAGE_SIZES, ROUTINGS, AnswerConfig,
-                            IndexConfig, Mode)
+from lazyrag.config import (DEFAULT_MODEL, DEFAULT_STORE, DEVICES, KV_DTYPES, PAGE_SIZES, ROUTINGS,
+                            AnswerConfig, IndexConfig, Mode)
 
 # one line per message, even when piped (no wrap at 80 columns); tables still fit the width
 out = Console(soft_wrap=True)
@@ -77,9 +77,9 @@ def _device(value: str) -> str:
     return value
 
 
-def _dtype(value: str) -> str:
-    if value not in ("auto", "bf16", "fp16", "fp32"):
-        raise typer.BadParameter(f"{value!r}: choose auto, bf16, fp16 or fp32")
+def _kv_dtype(value: str) -> str:
+    if value not in KV_DTYPES:
+        raise typer.BadParameter(f"{value!r}: choose {', '.join(KV_DTYPES[:-1])} or {KV_DTYPES[-1]}")
     return value
 
 
@@ -137,8 +137,11 @@ def index(
                                        f"{', '.join(map(str, PAGE_SIZES))}."),
     batch_tokens: int = typer.Option(IndexConfig.batch_tokens, min=64, help="Chunk tokens per forward pass."),
     device: str = typer.Option(IndexConfig.device, callback=_device, help=DEVICE_HELP),
-    dtype: str = typer.Option(IndexConfig.dtype, callback=_dtype,
-                              help="auto (bf16 on CUDA, fp32 on CPU), bf16, fp16 or fp32."),
+    dtype: str = typer.Option(IndexConfig.dtype, "--kv-dtype", "--dtype", callback=_kv_dtype,
+                              help="The stored KV's dtype, which the model computes in: auto (bf16 on CUDA, fp32 on "
+                                   "CPU), bf16, fp16 or fp32; or fp8 (e4m3 with a scale per token and KV head: "
+                                   "about half of bf16's bytes; the model computes in auto's dtype). `answer` "
+                                   "follows the store."),
     skip_bad: bool = typer.Option(IndexConfig.skip_bad, "--skip-bad", help="Report bad files or lines and go on."),
     trust_remote_code: bool = typer.Option(IndexConfig.trust_remote_code, help=REMOTE_CODE_HELP),
     force: bool = typer.Option(IndexConfig.force, "--force",
@@ -219,6 +222,10 @@ def answer(
     cuda_graphs: bool = typer.Option(AnswerConfig.cuda_graphs, "--cuda-graphs/--eager",
                                      help="On a GPU, replay decode steps from CUDA graphs captured at start "
                                           "(--eager launches every kernel from Python: slower, for debugging)."),
+    shared_attention: bool = typer.Option(AnswerConfig.shared_attention, "--shared-attention/--no-shared-attention",
+                                          help="lazy: each step reads the chunk pages its requests share once for "
+                                               "all of them (chunk-major attention); --no-shared-attention reads "
+                                               "them per request (the same answers; for comparison)."),
     audit: int = typer.Option(AnswerConfig.audit, min=0, metavar="N",
                               help="Answer a seeded sample of N queries also in full attention and record how far "
                                    "this mode is from it: identical answers, token F1 to full, mean KL(full || mode) "
@@ -266,7 +273,8 @@ def answer(
                        max_new_tokens=max_new_tokens, max_prompt_tokens=max_prompt_tokens, cache_gb=cache_gb,
                        host_cache_gb=host_cache_gb,
                        batch_size=batch_size, device=device, temperature=temperature, top_p=top_p,
-                       seed=seed, trust_remote_code=trust_remote_code, cuda_graphs=cuda_graphs, audit=audit,
+                       seed=seed, trust_remote_code=trust_remote_code, cuda_graphs=cuda_graphs,
+                       shared_attention=shared_attention, audit=audit,
                        recompute=recompute, recompute_policy=recompute_policy, recompute_layer=recompute_layer,
                        ape_temperature=ape_temperature, ape_scale=ape_scale, data_parallel=data_parallel,
                        ray_address=ray_address, routing=routing)

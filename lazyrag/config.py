@@ -15,6 +15,7 @@ DEFAULT_STORE = Path("lazyrag.zarr")
 # SmolLM2-135M-Instruct, shipped on PyPI as a GGUF file (lazyrag/models/loading.py fetches it)
 DEFAULT_MODEL = "smollm2-135m"
 PAGE_SIZES = (16, 32, 64, 128)  # what the attention kernels take (a power of two in 16..128)
+KV_DTYPES = ("auto", "bf16", "fp16", "fp32", "fp8")  # `index --kv-dtype`: auto is bf16 on CUDA, fp32 on the CPU
 DEVICES = "auto, cpu, cuda or cuda:N"
 
 
@@ -38,7 +39,7 @@ class IndexConfig:
     store: Path | StoreURL = DEFAULT_STORE  # a directory, or object storage (lazyrag/store/location.py)
     model: str = DEFAULT_MODEL
     device: str = "auto"
-    dtype: str = "auto"
+    dtype: str = "auto"           # the store's KV dtype (--kv-dtype, one of KV_DTYPES)
     # A retrieval paragraph usually fits whole in 512 tokens; longer chunks mean fewer
     # chunk boundaries, which is where `lazy` loses attention between chunks.
     chunk_tokens: int = 512
@@ -70,6 +71,7 @@ class AnswerConfig:
     seed: int = 0
     prefetch: int = 64            # queries to look ahead when prefetching chunks
     cuda_graphs: bool = True      # replay decode steps from CUDA graphs (GPU only)
+    shared_attention: bool = True  # lazy: read the pages a step's requests share once for all (chunk-major)
     trust_remote_code: bool = False
     audit: int = 0                # queries of the run also answered in full, to measure the gap to it
     # share of the chunk pages after the first chunk recomputed per request, and which: the smallest

@@ -70,7 +70,7 @@ def zipf_docs(rng: random.Random, alpha: float | None, n: int) -> list[list[str]
     return prompts
 
 
-def build_store(model: str, root: Path, page_size: int) -> tuple[Path, dict]:
+def build_store(model: str, root: Path, page_size: int, kv_dtype: str = "auto") -> tuple[Path, dict]:
     from lazyrag.config import IndexConfig
     from lazyrag.commands.index import build_index
 
@@ -80,7 +80,7 @@ def build_store(model: str, root: Path, page_size: int) -> tuple[Path, dict]:
                               for i in range(DOCS)))
     store = root / (model.replace(":", "-") + ".zarr")
     result = build_index(IndexConfig(corpus=corpus, store=store, model=model, chunk_tokens=DOC_TOKENS,
-                                     batch_tokens=16384, page_size=page_size), progress=False)
+                                     batch_tokens=16384, page_size=page_size, dtype=kv_dtype), progress=False)
     return store, result.to_json()
 
 
@@ -120,10 +120,52 @@ def run(engine_args: dict, loaded, store, mode: str, prompts, questions, cache_g
         "hit_ratio": round(c.hit_ratio, 4), "token_hit_ratio": round(c.token_hit_ratio, 4),
         "kv_peak_gb": round(c.peak_pages * c.page_bytes / 2**30, 2), "bytes_read_gb": round(c.bytes_read / 2**30, 2),
         "evictions": c.evictions, "read_wait_s": round(c.read_wait_s, 3), "warm": warm,
+        "host_cache_gb": engine_args.get("host_cache_bytes", 0) / 2**30, "host_hits": c.host_hits,
+        "read_ahead": c.read_ahead,
     }
     del engine
     free_cache()
     return result
+
+
+def shared_check(kw: dict, loaded, store, prompts, questions, cache_gb: float, batch_size: int) -> dict:
+    """Chunk-major attention against each request reading its own pages, on the same requests:
+    both teacher-forced along the per-request engine's greedy answer (relative error of the
+    logits, top-1 agreement), and the greedy answers of both. The control: block mode against the
+    same (the same attention, keys rotated before they are rounded to bf16 rather than the
+    query: what bf16 rounding alone moves through the model)."""
+    from lazyrag.serve import Engine, Request
+
+    chunks = {d: store.doc_chunks(d) for d in {d for p in prompts for d in p}}
+    qids = [loaded.tokenizer(q, add_special_tokens=False)["input_ids"] for q in questions]
+    reqs = [Request(f"r{i}", [c for d in p for c in chunks[d]], qids[i], NEW_TOKENS) for i, p in enumerate(prompts)]
+    answers, logits = {}, {}
+    for shared, mode in ((False, "lazy"), (True, "lazy"), ("control", "block")):
+        engine = Engine(loaded, store, mode, cache_gb * 2**30, batch_size, stop_at_eos=False,
+                        shared_attention=shared is True, **kw)
+        done = {}
+        engine.run(reqs, lambda seq, done=done: done.__setitem__(seq.id, list(seq.generated)))
+        answers[shared] = done
+        logits[shared] = engine.teacher_forced_logits(reqs, [answers[False][r.id] for r in reqs])
+        engine.close()
+        del engine
+        free_cache()
+    out = {"requests": len(reqs), "tokens": sum(len(a) for a in answers[False].values())}
+    for name, key in (("", True), ("control_", "control")):
+        rel = [((a - b).norm() / b.norm()).item() for a, b in zip(logits[key], logits[False])]
+        out.update({f"{name}logits_rel_err_max": round(max(rel), 5),
+                    f"{name}logits_rel_err_mean": round(sum(rel) / len(rel), 5),
+                    f"{name}top1_agreement": round(torch_cat_equal(logits[key], logits[False]), 4),
+                    f"{name}identical_answers": sum(answers[key][r.id] == answers[False][r.id] for r in reqs) / len(reqs)})
+    return out
+
+
+def torch_cat_equal(a: list, b: list) -> float:
+    """The share of rows whose argmax agrees, over two lists of [tokens, vocab] tensors."""
+    import torch
+
+    x, y = torch.cat(a), torch.cat(b)
+    return (x.argmax(-1) == y.argmax(-1)).float().mean().item()
 
 
 def batch_sweep(kw: dict, loaded, store, prompts, questions, cache_gb: float, args, model: str, save, out) -> list:
@@ -131,42 +173,51 @@ def batch_sweep(kw: dict, loaded, store, prompts, questions, cache_gb: float, ar
     full, each at every --batch-sizes value: a mode's best batch size against another's best."""
     from lazyrag.serve import Recompute
 
-    configs = [("lazy", 0.0)] + ([] if args.skip_full else [("full", 0.0)])
-    configs += [(m, f) for f in args.recompute for m in ("lazy", "block")]
+    # (mode, recompute fraction, warm, chunk-major attention)
+    configs = [("lazy", 0.0, False, True)] + ([] if args.skip_full else [("full", 0.0, False, True)])
+    if args.per_request_too:  # lazy with each request reading its own pages: what chunk-major buys
+        configs.append(("lazy", 0.0, False, False))
+    configs += [(m, f, False, True) for f in args.recompute for m in ("lazy", "block") if (m, f) != ("lazy", 0.0)]
+    if args.warm:  # the same lazy and block runs on a cache warmed by one untimed pass
+        configs += [(m, f, True, shared) for m, f, _, shared in configs if m != "full"]
     rows = []
-    for mode, fraction in configs:
+    for mode, fraction, warm, shared in configs:
         n = min(len(prompts), args.full_requests) if mode == "full" else len(prompts)
         for bs in args.batch_sizes:
-            engine_args = dict(kw, recompute=Recompute(fraction, args.recompute_policy))
+            engine_args = dict(kw, recompute=Recompute(fraction, args.recompute_policy), shared_attention=shared)
             try:
-                r = run(engine_args, loaded, store, mode, prompts[:n], questions[:n], cache_gb, bs)
+                r = run(engine_args, loaded, store, mode, prompts[:n], questions[:n], cache_gb, bs, warm=warm)
             except Exception as exc:  # block's copies may not fit a large batch: say so
-                r = {"mode": mode, "batch_size": bs, "error": str(exc)[:120]}
+                r = {"mode": mode, "batch_size": bs, "warm": warm, "error": str(exc)[:120]}
+            if mode == "lazy" and not shared:
+                r["mode"] = "lazy, per-request pages"
             r["recompute"], r["policy"], r["page_size"] = fraction, args.recompute_policy, args.page_size
             rows.append(r)
             out["batch_sweep"] = rows
             save(out)
-            print(f"[{model}] batch sweep {mode} recompute {fraction} batch {bs}: {json.dumps(r)}", flush=True)
+            print(f"[{model}] batch sweep {mode} recompute {fraction} batch {bs}{' warm' if warm else ''}: "
+                  f"{json.dumps(r)}", flush=True)
     return rows
 
 
 def sweep_table(results: list[dict]) -> str:
     """Each (mode, recompute) at its best batch size, with the ratios the claims rest on."""
-    lines = ["| model | page | mode | recompute | best batch | req/s | TTFT mean ms | req/s at each batch size |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| model | page | cache | mode | recompute | best batch | req/s | TTFT mean ms | req/s at each batch size |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for res in results:
         best = {}
         for r in res.get("batch_sweep", []):
-            key = (r["mode"], r["recompute"], r.get("policy", "head") if r["recompute"] else "")
+            key = (r["mode"], r["recompute"], r.get("policy", "head") if r["recompute"] else "", r.get("warm", False))
             best.setdefault(key, []).append(r)
-        for (mode, f, policy), rows in best.items():
+        for (mode, f, policy, warm), rows in best.items():
             ok = [r for r in rows if "req_per_s" in r]
             top = max(ok, key=lambda r: r["req_per_s"], default=None)
             each = ", ".join(f"{r['batch_size']}: {r['req_per_s']:.1f}" if "req_per_s" in r else
                              f"{r['batch_size']}: does not fit" for r in rows)
             if top:
                 recompute = f"{f:g} {policy}" if f else "0"
-                lines.append(f"| {res['model'].split(':')[-1]} | {top.get('page_size', 64)} | {mode} | {recompute} | "
+                lines.append(f"| {res['model'].split(':')[-1]} | {top.get('page_size', 64)} | {'warm' if warm else 'cold'} | "
+                             f"{mode} | {recompute} | "
                              f"{top['batch_size']} | "
                              f"{top['req_per_s']:.1f} | {top['ttft_ms']['mean']:.0f} | {each} |")
     return "\n".join(lines)
@@ -202,15 +253,15 @@ def bench_model(model: str, args, root: Path, save) -> dict:
     from lazyrag.store import Store
 
     t = time.perf_counter()
-    store_path, index = build_store(model, root, args.page_size)
+    store_path, index = build_store(model, root, args.page_size, args.kv_dtype)
     index["wall_s"] = round(time.perf_counter() - t, 1)
     print(f"[{model}] indexed {index['tokens_total']:,} tokens in {index['seconds']}s", flush=True)
-    loaded = load_model(model, "auto", "bf16" if has_cuda() else "fp32")
     store = Store.open(store_path)
+    loaded = load_model(model, "auto", store.settings.kv_dtype)
     # Read every chunk once, so all modes find the store equally warm in the OS page cache
     # (otherwise the first mode timed pays the cold disk reads for everyone).
     t = time.perf_counter()
-    warm_bytes = sum(store.read_kv(c).numel() * 2 for c in store.iter_chunks())
+    warm_bytes = sum(store.read_kv(c).nbytes for c in store.iter_chunks())
     index["warm_read_gb_s"] = round(warm_bytes / (time.perf_counter() - t) / 1e9, 2)
     rng = random.Random(1)
     n = args.requests
@@ -221,7 +272,7 @@ def bench_model(model: str, args, root: Path, save) -> dict:
     kw = {"cuda_graphs": not args.eager}
     cache = args.cache_gb
     # compile the kernels for small and full batches, so compilation lands in no timed run
-    for mode in ("lazy", "block"):
+    for mode in ("lazy",) if args.only_lazy_at or args.host_tier else ("lazy", "block"):
         for m in (4, args.batch_size):
             run(kw, loaded, store, mode, zipf[:m], questions[:m], cache, args.batch_size)
     if not args.skip_full:
@@ -230,10 +281,17 @@ def bench_model(model: str, args, root: Path, save) -> dict:
         out["profile"] = {m: profile_run(kw, loaded, store, m, zipf[:args.profile], questions, cache, args.batch_size,
                                          model) for m in ("lazy", "block")}
         save(out)
+    if args.check_shared:
+        out["shared_check"] = shared_check(kw, loaded, store, zipf[:args.check_shared], questions[:args.check_shared],
+                                           cache, args.batch_size)
+        save(out)
+        print(f"[{model}] chunk-major against per-request pages: {json.dumps(out['shared_check'])}", flush=True)
     if args.recompute:
         out["batch_sweep"] = batch_sweep(kw, loaded, store, zipf, questions, cache, args, model, save, out)
         return out
-    if args.only_lazy_at:
+    if args.host_tier:
+        host_tier_runs(kw, loaded, store, zipf, questions, args.host_tier, args, model, save, out)
+    if args.only_lazy_at or args.host_tier:
         for gb in args.only_lazy_at:
             r = run(kw, loaded, store, "lazy", zipf, questions, gb, args.batch_size)
             out["closed"].append(r)
@@ -308,6 +366,30 @@ def bench_model(model: str, args, root: Path, save) -> dict:
     return out
 
 
+def host_tier_runs(kw: dict, loaded, store, prompts, questions, gpu_docs: int, args, model, save, out) -> list:
+    """Lazy on the Zipf requests with a GPU cache of `gpu_docs` documents' worth (and a batch's own
+    pages), without and with a pinned host tier that holds every document. An untimed run with the
+    tier first pins its buffers (kept by the process, as a long-running `answer` keeps them), so the
+    timed runs measure serving."""
+    page, row_bytes = store.settings.page_size, store.settings.row_bytes
+    doc_bytes = store.max_padded_length() * row_bytes  # one chunk per document
+    own_bytes = -(-(QUESTION_TOKENS + NEW_TOKENS) // page) * page * row_bytes
+    gpu_gb = (gpu_docs * doc_bytes + args.batch_size * own_bytes + page * row_bytes) * 1.05 / 2**30
+    host_gb = DOCS * doc_bytes * 1.1 / 2**30
+    if has_cuda():
+        run(dict(kw, host_cache_bytes=host_gb * 2**30), loaded, store, "lazy", prompts, questions, gpu_gb,
+            args.batch_size)
+    out["host_tier"] = []
+    for host in (0.0, host_gb):
+        r = run(dict(kw, host_cache_bytes=host * 2**30), loaded, store, "lazy", prompts, questions, gpu_gb,
+                args.batch_size)
+        r["cache_docs"] = gpu_docs
+        out["host_tier"].append(r)
+        save(out)
+        print(f"[{model}] host tier {host:.2f} GB, GPU cache {gpu_gb:.2f} GB: {json.dumps(r)}", flush=True)
+    return out["host_tier"]
+
+
 def table(results: list[dict]) -> str:
     lines = ["| model | workload | mode | requests | TTFT mean / p50 / p95 ms | req/s | out tok/s | hit ratio "
              "| KV peak GB |", "|---|---|---|---|---|---|---|---|---|"]
@@ -315,13 +397,20 @@ def table(results: list[dict]) -> str:
         short = res["model"].split(":")[-1]
         for label, rows in (("zipf 2.1 closed", res["closed"]), ("zipf 2.1 closed, eager", res.get("eager", [])),
                             ("zipf 2.1 closed, warm cache", res.get("warm", [])),
-                            ("uniform closed", res["uniform"]), ("zipf 2.1 poisson", res["poisson"])):
+                            ("uniform closed", res["uniform"]), ("zipf 2.1 poisson", res["poisson"]),
+                            ("zipf 2.1 closed, GPU cache below the working set", res.get("host_tier", []))):
             for r in rows:
                 t = r["ttft_ms"]
                 wl = label + (f" {r['rate_req_s']}/s" if "rate_req_s" in r else "")
+                wl += f" ({r['cache_gb']:.2f} GB, host tier {r['host_cache_gb']:.2f} GB)" if "cache_docs" in r else ""
                 lines.append(f"| {short} | {wl} | {r['mode']} | {r['requests']} | {t['mean']:.0f} / {t['p50']:.0f} / "
                              f"{t['p95']:.0f} | {r['req_per_s']:.2f} | {r['out_tok_per_s']:.0f} | "
                              f"{r['hit_ratio']:.2f} | {r['kv_peak_gb']:.1f} |")
+        tier = res.get("host_tier", [])
+        if len(tier) == 2:
+            lines.append(f"| {short} | **ratio** host tier | with vs without | | TTFT mean "
+                         f"{tier[0]['ttft_ms']['mean'] / tier[1]['ttft_ms']['mean']:.2f}x "
+                         f"| {tier[1]['req_per_s'] / tier[0]['req_per_s']:.2f}x | | | |")
         closed = {r["mode"]: r for r in res["closed"]}
         uni = {r["mode"]: r for r in res["uniform"]}
         if "block" not in closed or "block" not in uni:  # a diagnosis run (--only-lazy-at): no ratios
@@ -334,6 +423,21 @@ def table(results: list[dict]) -> str:
         lines.append(f"| {short} | **ratios** uniform | lazy vs block | | TTFT mean "
                      f"{uni['block']['ttft_ms']['mean'] / uni['lazy']['ttft_ms']['mean']:.2f}x "
                      f"| {uni['lazy']['req_per_s'] / uni['block']['req_per_s']:.2f}x | | | |")
+    return "\n".join(lines)
+
+
+def reads_table(results: list[dict]) -> str:
+    """Each run's wait on chunk reads against its wall time, and where its misses came from."""
+    lines = ["| model | workload | mode | GPU / host cache GB | s | read wait s | read wait share | GB read "
+             "| misses read ahead | host tier hits |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for res in results:
+        for label, key in (("zipf 2.1 closed", "closed"), ("uniform closed", "uniform"),
+                           ("GPU cache below the working set", "host_tier")):
+            for r in res.get(key, []):
+                lines.append(f"| {res['model'].split(':')[-1]} | {label} | {r['mode']} | {r['cache_gb']:.1f} / "
+                             f"{r['host_cache_gb']:.1f} | {r['seconds']:.2f} | {r['read_wait_s']:.2f} | "
+                             f"{r['read_wait_s'] / r['seconds']:.0%} | {r['bytes_read_gb']:.1f} | "
+                             f"{r['read_ahead']} | {r['host_hits']} |")
     return "\n".join(lines)
 
 
@@ -386,21 +490,32 @@ def main() -> None:
     ap.add_argument("--only-lazy-at", type=lambda s: [float(x) for x in s.split(",") if x], default=[],
                     help="diagnosis: after the warm-up, only time lazy on the Zipf requests at these "
                          "cache budgets (GB), in this order (e.g. 60,26.6,60,26.6: size or order?)")
+    ap.add_argument("--host-tier", type=int, default=0, metavar="DOCS",
+                    help="diagnosis: after the warm-up, time lazy on the Zipf requests with a GPU cache of DOCS "
+                         "documents' worth, without and then with a pinned host tier (the engine's "
+                         "--host-cache-gb) that holds every document; then only the --only-lazy-at runs")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="also run lazy and block on N Zipf requests under torch.profiler (GPU busy share, "
                          "top kernels) before the timed runs")
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--recompute", type=lambda s: [float(x) for x in s.split(",") if x], default=[],
-                    help="only the batch sweep: lazy (no recompute), then lazy and block at each of these recompute "
-                         "fractions, then full, each at every --batch-sizes value")
+                    help="only the batch sweep: lazy (no recompute), full, then lazy and block at each of these "
+                         "recompute fractions (0: plain block), each at every --batch-sizes value")
     ap.add_argument("--recompute-policy", default="head")
+    ap.add_argument("--check-shared", type=int, default=0, metavar="N",
+                    help="first compare chunk-major attention with per-request pages on N Zipf requests (logits "
+                         "teacher-forced along the per-request answer, top-1 agreement, identical answers)")
+    ap.add_argument("--per-request-too", action="store_true",
+                    help="in the batch sweep, also lazy without chunk-major attention (each request reads its pages)")
     ap.add_argument("--batch-sizes", type=lambda s: [int(x) for x in s.split(",") if x], default=[16, 32, 64, 128])
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs anywhere (the engine's --eager)")
     ap.add_argument("--warm", action="store_true",
-                    help="after the closed Zipf rounds, time lazy and block once more on a cache warmed by an "
-                         "untimed pass over the same requests (a long-running server's steady state)")
+                    help="after the closed Zipf rounds (in the batch sweep: after the cold runs), time lazy and "
+                         "block once more on a cache warmed by an untimed pass over the same requests (a "
+                         "long-running server's steady state)")
     ap.add_argument("--eager-too", action="store_true",
                     help="after the closed Zipf rounds, time lazy and block once more without CUDA graphs")
+    ap.add_argument("--kv-dtype", default="auto", help="the store's KV dtype, as `index --kv-dtype` takes it")
     ap.add_argument("--page-size", type=int, default=IndexConfig.page_size, help="the store's page size (tokens)")
     ap.add_argument("--docs", type=int, default=DOCS)
     ap.add_argument("--doc-tokens", type=int, default=DOC_TOKENS)
@@ -425,7 +540,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory(prefix="lazyrag-e2e-") as root:
             results.append(bench_model(model, args, Path(root), save))
         save()
-    text = sweep_table(results) if args.recompute else table(results)
+    text = sweep_table(results) if args.recompute else table(results) + "\n\n" + reads_table(results)
     print(text)
     (out_dir / "bench_e2e.md").write_text(text + "\n")
 

@@ -62,7 +62,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=IndexConfig.model)
     ap.add_argument("--device", default=IndexConfig.device)
-    ap.add_argument("--dtype", default=IndexConfig.dtype)
+    ap.add_argument("--kv-dtype", "--dtype", dest="dtype", default=IndexConfig.dtype,
+                    help="the store's KV dtype, as `index --kv-dtype` takes it")
     ap.add_argument("--docs", type=int, default=24)
     ap.add_argument("--doc-tokens", type=int, default=512, help="roughly, for the default model (5 bytes a token)")
     ap.add_argument("--chunk-tokens", type=int, default=IndexConfig.chunk_tokens)
@@ -97,9 +98,10 @@ def main() -> None:
     build_index(cfg, progress=False, loaded=loaded)
     sync()
     index_s = time.perf_counter() - t
-    summary = Store.open(cfg.store).summary()
-    cfg = loaded.cfg
-    per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * loaded.model.embed.weight.element_size()
+    with Store.open(cfg.store) as store:
+        summary = store.summary()
+        per_token = store.settings.row_bytes  # as stored: an fp8 row carries its scales
+        kv_dtype = store.settings.kv_dtype
     raw = summary["padded_tokens"] * per_token
     disk_mb_s = disk_write_mb_s(root, min(4096, max(256, raw // 2**20)))
     disk_tok_s = disk_mb_s * 1e6 / per_token
@@ -107,7 +109,7 @@ def main() -> None:
     bound = min(bare_tok_s, disk_tok_s)
     device = torch.cuda.get_device_name() if loaded.device.type == "cuda" else "cpu"
     rows = [
-        ("model / dtype / device", f"{args.model} / {str(loaded.dtype)[6:]} / {device}"),
+        ("model / KV dtype / device", f"{args.model} / {kv_dtype} / {device}"),
         ("chunks / tokens", f"{len(chunks)} / {tokens:,}"),
         ("KV per token", f"{per_token / 1024:.0f} KiB"),
         ("bare forward", f"{bare_tok_s:,.0f} tok/s"),

@@ -8,19 +8,24 @@ Rows (Llama-3.1-8B attention 32/8/128 and SmolLM2 9/3/64, bf16):
           vs torch SDPA with the equivalent mask on pre-rotated contiguous KV
   rotate_copy bytes/s vs a device-to-device copy measured in the same run
   deferral: rotate=True vs rotate=False on the same data
+  shared  a step of the paper's workload (32 requests x 5 chunks of 2,048 tokens drawn by Zipf
+          2.1 from 100 documents, page size 64, Llama-3-8B attention): chunk-major
+          (shared_decode, shared_prefill of 32 question tokens) vs the per-request kernels on
+          the same step vs SDPA on pre-rotated contiguous KV, with the step's unique KV bytes
+          and their time at the measured copy bandwidth
 Also sweeps page size (16/32/64) and a few launch configurations: each row times the
 kernels' defaults (what the engine runs) and notes the fastest alternative when one beat them.
 Prints a table last; writes it as markdown to $OUT/bench_kernels.md when $OUT is set.
 --splits: only decode, timed at each split count (to check the kernels' split rule).
-Usage: python scripts/bench_kernels.py [--quick] [--ps64] [--pool-size] [--splits]
+Usage: python scripts/bench_kernels.py [--quick] [--ps64] [--pool-size] [--splits] [--only shared]
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
 import itertools
 import math
 import os
-import sys
 import time
 
 import torch
@@ -39,10 +44,22 @@ from lazyrag.kernels import PageTable, rope  # noqa: E402
 
 DEV = "cpu" if SMOKE else "cuda"
 DT = torch.float16 if SMOKE else torch.bfloat16
-QUICK = "--quick" in sys.argv
-PS64 = "--ps64" in sys.argv  # page size 64 only (skip the page-size sweep)
-POOL_SIZE = "--pool-size" in sys.argv  # only: a small pool vs one past 2**31 elements per layer (64-bit offsets)
-SPLITS = "--splits" in sys.argv  # only: decode at each split count
+
+def arguments():
+    p = argparse.ArgumentParser(description="Benchmark the lazy-attention kernels on a CUDA GPU (BENCH_SMOKE=1: "
+                                            "tiny shapes on the CPU under the Triton interpreter).")
+    p.add_argument("--quick", action="store_true", help="time only each row's default launch configuration")
+    p.add_argument("--ps64", action="store_true", help="page size 64 only (skip the page-size sweep)")
+    p.add_argument("--pool-size", action="store_true",
+                   help="only: a small pool vs one past 2**31 elements per layer (64-bit offsets)")
+    p.add_argument("--splits", action="store_true", help="only: decode at each split count")
+    p.add_argument("--only", choices=["shared"],
+                   help="run only these rows: shared = chunk-major attention on a step of the paper's workload")
+    return p.parse_args()
+
+
+ARGS = arguments()
+QUICK, PS64, POOL_SIZE, SPLITS = ARGS.quick, ARGS.ps64, ARGS.pool_size, ARGS.splits
 ROWS: list[dict] = []
 LOG: list[str] = []
 
@@ -122,10 +139,10 @@ class Work:
     def sdpa_kv(self):
         """Contiguous [B, Hkv, N, D] keys rotated to logical positions, values."""
         B, PS, Hkv, D = self.B, self.PS, self.Hkv, self.D
-        ids = self.pages.ids.long()
+        ids = self.pages.ids.to(DEV).long()  # (a step built for chunk-major keeps its table on the host)
         K = self.k[ids].reshape(B, -1, Hkv, D)  # stored keys [B, N_all, Hkv, D]
         V = self.v[ids].reshape(B, -1, Hkv, D)
-        d = self.pages.delta.repeat_interleave(PS, dim=1)  # [B, N_all]
+        d = self.pages.delta.to(DEV).repeat_interleave(PS, dim=1)  # [B, N_all]
         K = rope(K.float().reshape(-1, Hkv, D), d.reshape(-1), self.invf).view(B, -1, Hkv, D).to(DT)
         keep = torch.arange(K.shape[1], device=DEV) < self.n_keys  # drop padding of last own page
         K, V = K[:, keep], V[:, keep]
@@ -257,6 +274,129 @@ def prefill_rows(tag, H, Hkv, D, B, ctx, q_len, PS, cfgs, pool_chunks):
     return dict(t=t, cfg=cfg, err=err, t_sdpa=t_sdpa, base=base_name, t_norot=t_norot, flops=flops, alt=alt)
 
 
+class PaperStep(Work):
+    """A step of the paper's workload: B requests, each reading n_chunks distinct documents of
+    chunk_len tokens drawn by Zipf(alpha) popularity from `docs`, back to back from position 0,
+    then own_len tokens of its own (one own page run, delta 0). Pages of a document are shared
+    by every request that reads it, at its own delta; `runs` labels them for group_shared."""
+
+    def __init__(self, H, Hkv, D, PS, B, n_chunks, chunk_len, own_len, docs, alpha=2.1, seed=0):
+        g = torch.Generator(device="cpu").manual_seed(seed)
+        self.H, self.Hkv, self.D, self.PS, self.B = H, Hkv, D, PS, B
+        cpp, own_pp = chunk_len // PS, math.ceil(own_len / PS)
+        self.k = torch.randn(docs * cpp + B * own_pp, PS, Hkv, D, device=DEV, dtype=DT)
+        self.v = torch.randn_like(self.k)
+        self.invf = inv_freq(D)
+        popularity = torch.arange(1, docs + 1, dtype=torch.float64) ** -alpha
+        width = n_chunks * cpp + own_pp
+        ids, delta, start, runs = (torch.zeros(B, width, dtype=torch.int32) for _ in range(4))
+        length = torch.full((B, width), PS, dtype=torch.int32)
+        self.ctx = n_chunks * chunk_len
+        for b in range(B):
+            chosen = torch.multinomial(popularity, n_chunks, replacement=False, generator=g).tolist()
+            for i, doc in enumerate(chosen):
+                cols = slice(i * cpp, (i + 1) * cpp)
+                ids[b, cols] = doc * cpp + torch.arange(cpp, dtype=torch.int32)
+                delta[b, cols] = i * chunk_len
+                start[b, cols] = torch.arange(0, chunk_len, PS, dtype=torch.int32)
+                runs[b, cols] = doc + 1
+            own = slice(n_chunks * cpp, width)
+            ids[b, own] = docs * cpp + b * own_pp + torch.arange(own_pp, dtype=torch.int32)
+            start[b, own] = self.ctx + torch.arange(0, own_pp * PS, PS, dtype=torch.int32)
+            length[b, own] = (own_len - torch.arange(0, own_pp * PS, PS, dtype=torch.int32)).clamp(max=PS)
+        self.pages = PageTable(ids, delta, start, length, torch.full((B,), width, dtype=torch.int32))
+        self.runs = runs
+        self.n_keys = self.ctx + own_len
+        self.page_bytes = PS * Hkv * D * 2 * self.k.element_size()  # K and V
+        self.unique_bytes = (len(torch.unique(ids[:, : n_chunks * cpp])) + B * own_pp) * self.page_bytes
+        self.request_bytes = B * width * self.page_bytes  # what the per-request kernels read
+
+    def split(self, cu, decode, block_m=64, num_splits=None):
+        """The step's remainder tables and chunk-major plan on the device, built on the host (as
+        the engine builds them when its batch changes)."""
+        shared, rest = kernels.group_shared(self.pages, self.runs)
+        plan = kernels.plan_shared(shared, cu, self.H, self.Hkv, self.D, decode=decode, device=torch.device(DEV),
+                                   block_m=block_m, num_splits=num_splits)
+        return rest.to(DEV), plan.to(DEV), shared
+
+
+def shared_rows(copy_bw, bw_lim, mm_lim):
+    """Chunk-major decode and 32-token prefill on a step of the paper's workload, against the
+    per-request kernels on the same step and SDPA on pre-rotated contiguous KV."""
+    sc = 8 if SMOKE else 1
+    H, Hkv, D, PS, q_len = 32, 8, 128, 64, 32
+    B, chunk_len, docs = 32 // sc, 2048 // sc, 100 // sc
+    G, scale = H // Hkv, 1.0 / math.sqrt(D)
+    for decode in (True, False):
+        w = PaperStep(H, Hkv, D, PS, B, 5, chunk_len, q_len + 1 if decode else q_len, docs)
+        K, V = w.sdpa_kv()
+        n = w.n_keys
+        if decode:
+            qpos = torch.full((B,), n - 1, dtype=torch.int32, device=DEV)
+            cu = torch.arange(B + 1, dtype=torch.int32)
+        else:
+            qpos = (w.ctx + torch.arange(q_len, device=DEV, dtype=torch.int32)).repeat(B)
+            cu = torch.arange(0, B * q_len + 1, q_len, dtype=torch.int32)
+        rest, plan, shared = w.split(cu, decode)
+        pages = w.pages.to(DEV)
+        q = torch.randn(qpos.shape[0], H, D, device=DEV, dtype=DT)
+        qr = rope(q.float(), qpos, w.invf).to(DT)
+        if decode:
+            def sdpa():
+                return F.scaled_dot_product_attention(qr.view(B, Hkv, G, D), K, V, scale=scale).view(B, H, D)
+
+            def chunk_major(plan=plan):
+                return kernels.shared_decode(q, w.k, w.v, rest, plan, qpos, w.invf, scale)
+
+            def per_request():
+                return kernels.lazy_decode(q, w.k, w.v, pages, qpos, w.invf, scale)
+        else:
+            mask = (torch.arange(n, device=DEV)[None, :] <= qpos[:q_len, None]).repeat(G, 1)  # [G * q_len, n]
+            qf = qr.view(B, q_len, H, D).permute(0, 2, 1, 3).reshape(B, Hkv, G * q_len, D)
+            cu_dev = cu.to(DEV)
+
+            def sdpa():
+                o = F.scaled_dot_product_attention(qf, K, V, attn_mask=mask, scale=scale)
+                return o.view(B, H, q_len, D).permute(0, 2, 1, 3).reshape(B * q_len, H, D)
+
+            def chunk_major(plan=plan):
+                return kernels.shared_prefill(q, w.k, w.v, rest, plan, cu_dev, qpos, w.invf, scale)
+
+            def per_request():
+                return kernels.lazy_prefill(q, w.k, w.v, pages, cu_dev, qpos, w.invf, scale,
+                                            max_seqlen_q=q_len)
+        ref = sdpa()
+        errs = {name: rel(fn(), ref) for name, fn in (("chunk-major", chunk_major), ("per-request", per_request))}
+        for name, err in errs.items():
+            if err > 3e-2:
+                log(f"  !! MISMATCH vs SDPA: {name} {err:.2e}")
+        t = {name: bench([fn]) for name, fn in (("chunk-major", chunk_major), ("per-request", per_request),
+                                                ("sdpa", sdpa))}
+        # rows per program: the default (64) against the alternatives it was chosen over
+        alts = []
+        for block_m in [] if QUICK or SMOKE else ((16, 32, 64) if decode else (64, 128)):
+            for splits in (None, 1, 2, 4, 8, 16) if decode else (None, 1, 2, 4):
+                if (block_m, splits) == (64, None):
+                    continue  # the defaults
+                other = w.split(cu, decode, block_m, splits)[1]
+                alts.append(f"block_m={block_m} splits={splits or 'rule'} "
+                            f"{bench([lambda other=other: chunk_major(other)]) * 1e3:.1f} us")
+        kind = "decode" if decode else f"prefill {q_len} tokens"
+        step = f"{B} x 5 x {chunk_len}, Zipf 2.1 over {docs}"
+        log(f"  shared {kind}: {shared.groups} shared chunks, {shared.uses} uses; " +
+            ", ".join(f"{k} {v * 1e3:.1f} us" for k, v in t.items()))
+        note = (f"SDPA {t['sdpa'] * 1e3:.1f} us; unique KV {w.unique_bytes / 1e6:.0f} MB = "
+                f"{w.unique_bytes / (copy_bw * 1e12) * 1e6:.1f} us at copy bw; per-request reads "
+                f"{w.request_bytes / 1e6:.0f} MB; err vs SDPA {errs['chunk-major']:.1e} (per-request "
+                f"{errs['per-request']:.1e})" + "".join(f"; {a}" for a in alts))
+        if decode:
+            row(f"shared decode ({step})", t["chunk-major"], w.unique_bytes, "TB/s", t["per-request"], bw_lim, note)
+        else:
+            flops = 4 * D * H * B * q_len * (w.ctx + (q_len + 1) / 2)
+            row(f"shared prefill {q_len} tokens ({step})", t["chunk-major"], flops, "TFLOP/s", t["per-request"],
+                mm_lim, note)
+
+
 def rotate_copy_row(tag, Hkv, D, PS, copy_bw):
     n_src = (64 if SMOKE else 32768 * 16) // PS
     N = n_src // 2
@@ -298,6 +438,10 @@ def main():
     copy_bw, mm = measure_limits()
     bw_lim = f"{copy_bw:.2f} TB/s copy"
     mm_lim = f"{mm:.0f} TFLOP/s mm"
+
+    if ARGS.only == "shared":
+        shared_rows(copy_bw, bw_lim, mm_lim)
+        return report(props, copy_bw, mm, 64, t0)
 
     # first configs: the defaults; then the alternatives they were chosen over
     dec_cfgs = [dict(), dict(tma=True), dict(num_splits=3), dict(num_splits=6), dict(num_splits=9)]
@@ -359,7 +503,12 @@ def main():
         rc = rotate_copy_row(tag, Hkv, D, PS, copy_bw)
         row(f"rotate_copy {tag} PS={PS}", rc["t"], rc["bytes"], "TB/s", rc["t_copy"], bw_lim,
             f"{100 * rc['bytes'] / rc['t'] / 1e9 / copy_bw:.0f}% of copy bw, err {rc['err']:.1e}")
+    shared_rows(copy_bw, bw_lim, mm_lim)
+    report(props, copy_bw, mm, PS, t0)
 
+
+def report(props, copy_bw, mm, PS, t0):
+    """The table of every row, printed and written to $OUT (with the log) when $OUT is set."""
     lines = [f"GPU {props.name}; device copy {copy_bw:.2f} TB/s, bf16 matmul {mm:.0f} TFLOP/s; page size {PS}; "
              f"bench wall {time.time() - t0:.0f} s", "",
              "| row | time (us) | achieved | baseline (us) | ratio (base/ours) | limit | notes |",

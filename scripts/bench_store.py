@@ -1,15 +1,21 @@
-"""Store throughput: append (write) and read_kv (the cache-loading hot path).
+"""Store throughput: append (write), and chunk reads as the engine's loader makes them.
 
-Builds a store of random KV with a real model's geometry, evicts its files from the
-page cache (posix_fadvise DONTNEED, so no root needed), then compares in one run:
+Builds a store of random KV with a real model's geometry, then compares in one run:
 
-  disk      plain sequential reads of the segment files (8 MiB reads): the baseline
-  pread     bare os.preadv of the same byte ranges read_kv reads, in random order
-  read_kv   Store.read_kv over every chunk, in storage order and in random order,
-            into one reused (optionally pinned) buffer, and from several threads
-  zarr      the same chunks through zarr's own slicing (arr[offset:offset+padded])
+  dd          `dd` reading the segment files after they are dropped from the page cache
+              (posix_fadvise DONTNEED, no root needed): the disk's own sequential speed
+  cold        every chunk, in random order, through the store's read path (pieces read in
+              parallel and checksummed) after the same drop, at each --threads count
+  zarr        the same chunks through zarr's own slicing, cold
+  page cache  every chunk from the OS page cache, at each --threads count
+  append      Store.append, the write path (one thread, from page-aligned memory as `index` writes)
 
-Usage: python scripts/bench_store.py [--gib 4] [--layers 32 --kv-heads 8 --head-dim 128]
+Reads land in pinned host memory when CUDA is available (pageable otherwise), one buffer per
+chunk in flight; --chunk-readers chunks are read at once (default 1, so a row's threads are all
+the threads reading; the loader reads 4 at once), each split into pieces on the threads.
+Figures are GB/s (1e9 bytes).
+
+Usage: python scripts/bench_store.py [--gib 4] [--layers 32 --kv-heads 8 --head-dim 128] [--threads 1,4,8,16]
 """
 
 from __future__ import annotations
@@ -17,10 +23,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import queue
 import random
+import re
 import shutil
+import subprocess
 import tempfile
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -30,6 +38,9 @@ import torch
 import zarr
 
 from lazyrag.store import NewChunk, SegmentReader, Store, StoreSettings, chunk_id_for, storage_dtype, torch_dtype
+from lazyrag.store.file_writes import aligned_empty
+from lazyrag.store.format import SEGMENT_MARKER
+from lazyrag.store.parallel_reads import PIECE_BYTES, ParallelReads
 
 
 def evict(path: Path) -> None:
@@ -44,7 +55,20 @@ def evict(path: Path) -> None:
 
 
 def segment_files(path: Path) -> list[Path]:
-    return sorted(p for p in (path / "segments").rglob("*") if p.is_file() and p.name != "zarr.json")
+    return sorted(p for p in (path / "segments").rglob("*")
+                  if p.is_file() and p.name not in ("zarr.json", SEGMENT_MARKER))
+
+
+def dd_gb_s(files: list[Path]) -> float:
+    """`dd` over every file, by the seconds dd itself reports (no process start-up counted)."""
+    total, seconds = 0, 0.0
+    for f in files:
+        run = subprocess.run(["dd", f"if={f}", "of=/dev/null", "bs=16M"], capture_output=True, text=True,
+                             check=True)
+        m = re.search(r"^(\d+) bytes.*copied, ([\d.,e+-]+) s", run.stderr, re.MULTILINE)
+        total += int(m.group(1))
+        seconds += float(m.group(2).replace(",", "."))
+    return total / seconds / 1e9 if seconds else float("nan")
 
 
 def main() -> None:
@@ -58,8 +82,11 @@ def main() -> None:
     ap.add_argument("--chunk-tokens", type=int, default=256)
     ap.add_argument("--page", type=int, default=16)
     ap.add_argument("--chunks-per-segment", type=int, default=16)
-    ap.add_argument("--threads", type=int, default=4)
-    ap.add_argument("--pin", action="store_true", help="read into pinned host memory (needs CUDA)")
+    ap.add_argument("--threads", type=lambda s: [int(x) for x in s.split(",") if x], default=[1, 4, 8, 16],
+                    help="piece threads to measure, each a row (cold and page cache)")
+    ap.add_argument("--piece-mib", type=float, default=PIECE_BYTES / 2**20, help="the largest piece")
+    ap.add_argument("--chunk-readers", type=int, default=1,
+                    help="chunks read at once (1: each row's threads are all the threads reading)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
@@ -73,9 +100,12 @@ def main() -> None:
     lengths_rng = random.Random(0)
     base = Path(args.dir or tempfile.mkdtemp(prefix="bench_store.", dir="."))
     path = base / "bench.zarr"
+    pinned = torch.cuda.is_available()
     results: dict = {"geometry": {"layers": args.layers, "kv_heads": args.kv_heads, "head_dim": args.head_dim,
                                    "kv_dtype": args.kv_dtype, "kib_per_token": row_bytes / 1024,
-                                   "chunk_tokens": args.chunk_tokens, "page": args.page}}
+                                   "chunk_tokens": args.chunk_tokens, "page": args.page},
+                     "reads": {"buffers": "pinned" if pinned else "pageable", "piece_mib": args.piece_mib,
+                               "chunk_readers": args.chunk_readers, "cpus": os.cpu_count()}}
 
     # -- build ----------------------------------------------------------------
     target = int(args.gib * 2**30)
@@ -92,106 +122,73 @@ def main() -> None:
                 chunks.append(NewChunk(chunk_id_for(s, ids), f"doc{n_chunks}", 0, ids, ""))
                 rows += s.padded(n)
                 n_chunks += 1
-            kv = np.resize(noise, rows * row_bytes // sdt.itemsize).reshape(rows, *s.row_shape)
+            # in page-aligned memory, as `index` hands its batches over (written with O_DIRECT)
+            kv = aligned_empty(rows * row_bytes).view(sdt).reshape(rows, *s.row_shape)
+            kv.reshape(-1)[:] = np.resize(noise, kv.size)
             t = time.perf_counter()
             st.put_documents(chunks)  # one document per chunk: readers see a chunk once a document lists it
             st.append(chunks, kv)
             write_s += time.perf_counter() - t
             written += kv.nbytes
     results["store"] = {"path": str(path), "chunks": n_chunks, "bytes": written}
-    results["append_MBps"] = written / write_s / 1e6
+    results["append_GBps"] = written / write_s / 1e9
 
     with Store.open(path) as st:
         infos = list(st.iter_chunks())
-        max_rows = max(c.padded_length for c in infos)
+    shuffled = infos[:]
+    random.Random(1).shuffle(shuffled)
+    total = sum(c.padded_length for c in infos) * row_bytes
+    max_rows = max(c.padded_length for c in infos)
+    buffers: queue.SimpleQueue = queue.SimpleQueue()  # one per chunk in flight: two reads never share one
+    for _ in range(args.chunk_readers):
         buf = torch.empty((max_rows, *s.row_shape), dtype=torch_dtype(s.kv_dtype))
-        if args.pin:
-            buf = buf.pin_memory()
+        buffers.put(buf.pin_memory() if pinned else buf)
 
-        def run(label: str, order: list, threads: int = 1) -> None:
-            evict(path)
-            # one buffer per thread: a buffer shared by two reads in flight fails their checksums
-            spare = [buf] + [torch.empty_like(buf) for _ in range(threads - 1)]
-            mine = threading.local()
+    def read_all(reader: SegmentReader) -> float:
+        """GB/s reading every chunk (random order) with `reader`, --chunk-readers at once."""
+        def one(c) -> None:
+            buf = buffers.get()
+            try:
+                reader.read_kv(c, out=buf[: c.padded_length])
+            finally:
+                buffers.put(buf)
 
-            def read(c) -> None:
-                if not hasattr(mine, "buf"):
-                    mine.buf = spare.pop()
-                st.read_kv(c, out=mine.buf[: c.padded_length])
-
-            t = time.perf_counter()
-            if threads == 1:
-                for c in order:
-                    read(c)
-            else:
-                with ThreadPoolExecutor(threads) as ex:
-                    list(ex.map(read, order))
-            dt = time.perf_counter() - t
-            total = sum(c.padded_length for c in order) * row_bytes
-            results[label] = total / dt / 1e6
-
-        # baseline: the disk's sequential read speed over the same files
-        evict(path)
-        files = segment_files(path)
-        chunk = bytearray(8 << 20)
         t = time.perf_counter()
-        total = 0
-        for f in files:
-            with open(f, "rb", buffering=0) as fh:
-                while (n := fh.readinto(chunk)):
-                    total += n
-        results["disk_seq_MBps"] = total / (time.perf_counter() - t) / 1e6
+        with ThreadPoolExecutor(args.chunk_readers) as ex:
+            list(ex.map(one, shuffled))
+        return total / (time.perf_counter() - t) / 1e9
 
-        # the same byte ranges as read_kv_random, with bare preads: read_kv's own overhead
-        shuffled = infos[:]
-        random.Random(1).shuffle(shuffled)
-        # the store opens each segment (metadata, shard index) once; do it now so the
-        # timed read_kv runs below measure reads only
-        for c in {c.segment: c for c in infos}.values():
-            st.read_kv(c, out=buf[: c.padded_length])
+    evict(path)
+    results["dd_cold_GBps"] = dd_gb_s(segment_files(path))
+    piece_bytes = int(args.piece_mib * 2**20)
+    for n in args.threads:
+        reads = ParallelReads(threads=n, piece_bytes=piece_bytes)
+        reader = SegmentReader(path, s, reads=reads)
+        for c in {c.segment: c for c in infos}.values():  # open each segment (metadata, shard index) untimed
+            reader.read_kv(c)
         evict(path)
-        reader = SegmentReader(path, s)
-        raw = bytearray(max_rows * row_bytes)
-        fds = {}
-        total = 0
-        t = time.perf_counter()
-        for c in shuffled:
-            file, start, nbytes = reader.byte_range(c)
-            fd = fds.get(file) or fds.setdefault(file, os.open(file, os.O_RDONLY))
-            os.preadv(fd, [memoryview(raw)[:nbytes]], start)
-            total += nbytes
-        results["pread_random_MBps"] = total / (time.perf_counter() - t) / 1e6
+        results[f"cold_{n}threads_GBps"] = read_all(reader)
+        read_all(reader)  # every chunk in the page cache now
+        results[f"page_cache_{n}threads_GBps"] = read_all(reader)
         reader.close()
-        for fd in fds.values():
-            os.close(fd)
+        reads.close()
 
-        run("read_kv_seq_MBps", infos)
-        run("read_kv_random_MBps", shuffled)
-        run(f"read_kv_random_{args.threads}threads_MBps", shuffled, threads=args.threads)
+    evict(path)
+    arrays = {}
+    t = time.perf_counter()
+    for c in shuffled:
+        arr = arrays.get(c.segment) or arrays.setdefault(
+            c.segment, zarr.open_array(str(path / "segments" / c.segment), mode="r"))
+        arr[c.offset : c.offset + c.padded_length]
+    results["zarr_cold_GBps"] = total / (time.perf_counter() - t) / 1e9
 
-        evict(path)
-        arrays = {}
-        t = time.perf_counter()
-        for c in shuffled:
-            arr = arrays.get(c.segment) or arrays.setdefault(
-                c.segment, zarr.open_array(str(path / "segments" / c.segment), mode="r"))
-            arr[c.offset : c.offset + c.padded_length]
-        results["zarr_slice_random_MBps"] = sum(c.padded_length for c in shuffled) * row_bytes / (time.perf_counter() - t) / 1e6
-
-        # warm page cache: what read_kv costs when the disk is out of the picture
-        for c in infos:
-            st.read_kv(c, out=buf[: c.padded_length])
-        t = time.perf_counter()
-        for c in infos:
-            st.read_kv(c, out=buf[: c.padded_length])
-        results["read_kv_cached_MBps"] = sum(c.padded_length for c in infos) * row_bytes / (time.perf_counter() - t) / 1e6
-
-    results["read_kv_vs_disk"] = results["read_kv_random_MBps"] / results["disk_seq_MBps"]
+    best_cold = max(results[f"cold_{n}threads_GBps"] for n in args.threads)
+    results["best_cold_vs_dd"] = best_cold / results["dd_cold_GBps"]
     if args.json:
         print(json.dumps(results, indent=2))
     else:
         for k, v in results.items():
-            print(f"{k:32s} {v:.1f}" if isinstance(v, float) else f"{k:32s} {v}")
+            print(f"{k:32s} {v:.2f}" if isinstance(v, float) else f"{k:32s} {v}")
     if not args.dir:
         shutil.rmtree(base)
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # On a CUDA machine, from the repository root: install the package, then the GPU tests
-# (`pytest -m gpu`), the kernel benchmark, the end-to-end benchmark and the index benchmark.
+# (`pytest -m gpu`), the kernel benchmark, the end-to-end benchmark, the index benchmark and
+# the store's read benchmark.
 # Each step has its own time limit in seconds (a limit of 'skip' skips the step) so that a
 # slow step cannot take the others' time; each step's output lands in $OUT/<step>.log.
 # The install takes no dependencies: the machine must have them already (a machine with no
@@ -22,3 +23,5 @@ step bench_kernels "${KERNEL_LIMIT:-150}" python3 scripts/bench_kernels.py ${KER
 step bench_e2e "${E2E_LIMIT:-240}" python3 scripts/bench_e2e.py --models "$models" "$@"
 step bench_index "${INDEX_LIMIT:-100}" python3 scripts/bench_index.py --model random:llama3-8b --dtype bf16 \
   --docs 12 --doc-tokens 2048 --chunk-tokens 2048 --batch-tokens 16384 --dir /tmp/bench-index
+step bench_store "${STORE_LIMIT:-120}" python3 scripts/bench_store.py --gib 4 --chunk-tokens 2048 --page 64 \
+  --chunks-per-segment 4

@@ -247,7 +247,7 @@ def run_record(cfg: AnswerConfig, rows: list[dict], seconds: float, bad: int, fa
                      "max_new_tokens": cfg.max_new_tokens, "top_k": cfg.top_k, "temperature": cfg.temperature,
                      "recompute": cfg.recompute, "recompute_policy": cfg.recompute_policy,
                      "recompute_layer": cfg.recompute_layer, "ape_temperature": cfg.ape_temperature,
-                     "ape_scale": cfg.ape_scale},
+                     "ape_scale": cfg.ape_scale, "shared_attention": cfg.shared_attention},
         "ttft_ms": scoring.summarize([r["ttft_ms"] for r in rows]),
         "latency_ms": scoring.summarize([r["latency_ms"] for r in rows]),
         "new_tokens": new_tokens,

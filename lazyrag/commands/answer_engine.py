@@ -54,7 +54,7 @@ class QueryEngine:
             # the pool cannot hold even the preamble: one that just does is enough for every
             # request's check to fail, saying the size it needs
             s = store.settings
-            page = s.num_layers * 2 * s.page_size * s.num_kv_heads * s.head_dim * self.loaded.dtype.itemsize
+            page = s.page_size * s.row_bytes
             self.engine = _engine(self.loaded, store, cfg, (pages_for(len(s.preamble_ids), s.page_size) + 1) * page,
                                   False)
         self.capacity = self.engine.cache.available_pages()  # what one request may use: the pool less the preamble
@@ -118,4 +118,4 @@ def _engine(loaded: LoadedModel, store: Store, cfg: AnswerConfig, cache_bytes: f
                   Sampling(cfg.temperature, cfg.top_p, cfg.seed), cfg.host_cache_gb * 2**30,
                   cuda_graphs=cuda_graphs,
                   recompute=Recompute(cfg.recompute, cfg.recompute_policy, cfg.recompute_layer),
-                  ape=(cfg.ape_temperature, cfg.ape_scale))
+                  ape=(cfg.ape_temperature, cfg.ape_scale), shared_attention=cfg.shared_attention)

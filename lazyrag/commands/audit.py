@@ -29,7 +29,8 @@ def audit_run(cfg: AnswerConfig, loaded: LoadedModel, store: Store, rows: list[d
     def engine(mode: Mode, cuda_graphs: bool, ape: tuple[float, float] = (1.0, 1.0)) -> Engine:
         return Engine(loaded, store, mode, cfg.cache_gb * 2**30, cfg.batch_size,
                       host_cache_bytes=cfg.host_cache_gb * 2**30, cuda_graphs=cuda_graphs,
-                      recompute=Recompute(cfg.recompute, cfg.recompute_policy, cfg.recompute_layer), ape=ape)
+                      recompute=Recompute(cfg.recompute, cfg.recompute_policy, cfg.recompute_layer), ape=ape,
+                      shared_attention=cfg.shared_attention)
 
     full = engine(Mode.FULL, cfg.cuda_graphs)  # plain attention: APE has no chunks to act on in full
     try:

@@ -3,7 +3,8 @@
 Each chunk is encoded once, after the store's preamble, at chunk-local positions
 (P .. P+L-1): it attends to the preamble and to itself. Its keys are stored rotated
 at those positions, so the engine can later place it at any offset by shifting the
-query's rotation instead of touching the keys. Many chunks share one forward pass;
+query's rotation instead of touching the keys. An fp8 store's chunks are encoded in the
+model's own dtype and quantised once encoded. Many chunks share one forward pass;
 writer threads store finished batches while the next batch runs. With `--workers N`
 (lazyrag/commands/index_workers.py) N processes run this encode loop, each over its share.
 """
@@ -19,14 +20,16 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
+from lazyrag import kernels
 from lazyrag.config import IndexConfig
 from lazyrag.corpus import SPLITTER, CorpusStats, Document, chunk_document, read_corpus
 from lazyrag.models import LoadedModel, load_model
 from lazyrag.models.prompt import PromptFormat
 from lazyrag.serve.paged import Feed, PagedAttention, PagePool, StepInputs, page_rows
-from lazyrag.store import NewChunk, Store, StoreSettings, chunk_id_for, kv_to_storage
+from lazyrag.store import FP8_KV, NewChunk, Store, StoreSettings, chunk_id_for, kv_to_storage, pack_fp8_rows
+from lazyrag.store.file_writes import aligned_empty
 
-WriteBatch = Callable[[list[NewChunk], np.ndarray], None]  # a batch's chunks and KV (storage dtype)
+WriteBatch = Callable[[list[NewChunk], np.ndarray], None]  # a batch's chunks and KV rows (storage dtype)
 
 ENCODING = {"attend": "preamble+self", "positions": "chunk-local after preamble"}
 
@@ -52,7 +55,7 @@ def store_settings(loaded: LoadedModel, name: str, chunk_tokens: int, page_size:
     fmt = PromptFormat(loaded.tokenizer)
     cfg = loaded.cfg
     return StoreSettings(
-        model=name, fingerprint=loaded.fingerprint, kv_dtype=str(loaded.dtype).removeprefix("torch."),
+        model=name, fingerprint=loaded.fingerprint, kv_dtype=str(loaded.kv_dtype).removeprefix("torch."),
         num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, page_size=page_size,
         preamble_ids=tuple(fmt.preamble_ids()), rope=dict(cfg.rope),
         chunking={"chunk_tokens": chunk_tokens, "splitter": SPLITTER, "separator_ids": fmt.separator_ids()},
@@ -130,6 +133,21 @@ class ChunkEncoder:
                 self.pool.release(p)
 
 
+def stored_rows(kv: torch.Tensor, settings: StoreSettings) -> torch.Tensor:
+    """Encoded KV as the store keeps it: as computed, or for an fp8 store quantised per (token, KV head)
+    row and packed with its scales."""
+    if settings.kv_dtype == FP8_KV:
+        return pack_fp8_rows(*kernels.quantize_fp8(kv))
+    return kv
+
+
+def aligned_host_copy(kv: torch.Tensor) -> torch.Tensor:
+    """``kv`` copied to page-aligned host memory, which a segment is written from straight to the
+    disk (lazyrag/store/file_writes.py)."""
+    host = torch.from_numpy(aligned_empty(kv.numel() * kv.element_size())).view(kv.dtype).view(kv.shape)
+    return host.copy_(kv)
+
+
 class BatchWriter:
     """Stores batches on writer threads behind a bounded queue, so compute never waits on
     disk. Each batch becomes its own segment, so several can be written at once: while one
@@ -145,18 +163,32 @@ class BatchWriter:
             t.start()
 
     def _run(self) -> None:
+        stream = None
         while (item := self.queue.get()) is not None:
             if self.error is None:
                 try:
-                    chunks, kv = item
-                    # the device-to-host copy happens here too, off the compute thread
-                    self.write(chunks, kv_to_storage(kv))
+                    chunks, kv, ready = item
+                    # the device-to-host copy happens here too, off the compute thread, and on this
+                    # thread's own stream: on the default one it would wait for the forward passes
+                    # queued after this batch, and encoding and copying would take turns
+                    if ready is None:
+                        host = aligned_host_copy(kv)
+                    else:
+                        stream = stream or torch.cuda.Stream(kv.device)
+                        with torch.cuda.stream(stream):
+                            stream.wait_event(ready)
+                            host = aligned_host_copy(kv)  # to pageable memory: returns once copied
+                    self.write(chunks, kv_to_storage(host))
                 except BaseException as exc:  # reported on the main thread
                     self.error = exc
 
     def put(self, chunks: list[NewChunk], kv: torch.Tensor) -> None:
         self._check()
-        self.queue.put((chunks, kv))
+        ready = None
+        if kv.is_cuda:  # the batch is ready once the work queued so far on this stream has run
+            ready = torch.cuda.Event()
+            ready.record()
+        self.queue.put((chunks, kv, ready))
 
     def close(self) -> None:
         for _ in self.threads:
@@ -180,7 +212,7 @@ def encode_chunks(loaded: LoadedModel, settings: StoreSettings, chunks: list[New
     writer = BatchWriter(write)
     try:
         for batch in page_batches(chunks, batch_pages, settings.page_size):
-            writer.put(batch, encoder.encode([list(c.token_ids) for c in batch]))
+            writer.put(batch, stored_rows(encoder.encode([list(c.token_ids) for c in batch]), settings))
             on_batch(batch)
     finally:
         writer.close()

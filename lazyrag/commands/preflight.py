@@ -16,7 +16,7 @@ from lazyrag.config import IndexConfig
 from lazyrag.corpus import CorpusStats, read_corpus
 from lazyrag.errors import ResourceError
 from lazyrag.models.loading import model_config, resolve_device, resolve_dtype
-from lazyrag.store import Store, StoreError
+from lazyrag.store import Store, StoreError, kv_row_bytes
 
 # Text bytes per token: about 4 for the BPE vocabularies of real models, 1 for a byte-level
 # vocabulary (the random presets'), which has no merges.
@@ -66,8 +66,8 @@ def check_index(cfg: IndexConfig, scan: CorpusScan) -> SizeEstimate | None:
                                  param_hint="'--chunk-tokens'")
     if not isinstance(cfg.store, Path):
         return None
-    dtype = resolve_dtype(cfg.dtype, resolve_device(cfg.device))
-    per_token = mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * dtype.itemsize
+    dtype = str(resolve_dtype(cfg.dtype, resolve_device(cfg.device))).removeprefix("torch.")
+    per_token = kv_row_bytes(dtype, mc.num_layers, mc.num_kv_heads, mc.head_dim)
     tokens = -(-scan.text_bytes // (1 if mc.vocab_size <= BYTE_VOCAB else BYTES_PER_TOKEN))
     chunks = scan.documents + tokens // cfg.chunk_tokens
     kv_bytes = (tokens + chunks * cfg.page_size) * per_token  # each chunk pads up to a page

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from lazyrag.config import DEFAULT_MODEL, lazyrag_home
+from lazyrag.kernels.fp8 import fp8_supported
 
 from .presets import PRESETS, byte_tokenizer, preset_config
 from .transformer import SUPPORTED_FAMILIES, ModelConfig, Transformer, rope_frequencies
@@ -34,9 +35,12 @@ SMOLLM_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 LAYOUT_VERSION = 1  # bump when the meaning of stored K/V changes
 SMOLLM2_CONTEXT = 8192  # the default model's max_position_embeddings, known before it is fetched
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
+# KV dtypes: the model computes in each, except fp8, which only stores KV (the model then
+# computes in auto's dtype)
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp8": torch.float8_e4m3fn,
           # the names a store records (torch's own), so a store's KV dtype can be passed straight in
-          "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+          "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
+          "float8_e4m3fn": torch.float8_e4m3fn}
 
 
 class ModelError(Exception):
@@ -51,7 +55,8 @@ class LoadedModel:
     hf_config: object
     fingerprint: str
     device: torch.device
-    dtype: torch.dtype
+    dtype: torch.dtype     # the model computes in it
+    kv_dtype: torch.dtype  # its KV is stored in it: dtype, or fp8
 
     @property
     def cfg(self) -> ModelConfig:
@@ -80,21 +85,34 @@ def resolve_device(device: str) -> torch.device:
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """The KV dtype a --kv-dtype names on ``device``."""
     if dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     if dtype not in DTYPES:
-        raise ModelError(f"unknown --dtype {dtype!r}; choose auto, bf16, fp16 or fp32")
+        raise ModelError(f"unknown --kv-dtype {dtype!r}; choose auto, bf16, fp16, fp32 or fp8")
     return DTYPES[dtype]
+
+
+def compute_dtype(kv_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """What the model computes in when its KV is stored in kv_dtype."""
+    return resolve_dtype("auto", device) if kv_dtype == torch.float8_e4m3fn else kv_dtype
 
 
 def load_model(name: str = DEFAULT_MODEL, device: str = "auto", dtype: str = "auto",
                trust_remote_code: bool = False) -> LoadedModel:
+    """``dtype``: the KV dtype (module DTYPES, or auto); the model computes in it, or in auto's for fp8."""
     dev = resolve_device(device)
-    dt = resolve_dtype(dtype, dev)
+    kv_dt = resolve_dtype(dtype, dev)
+    if kv_dt == torch.float8_e4m3fn and dev.type == "cuda":
+        cap = torch.cuda.get_device_capability(dev)
+        if not fp8_supported(cap):
+            raise ModelError(f"fp8 KV needs a GPU of compute capability 8.9 or later (Ada, Hopper); {dev} has "
+                             f"{cap[0]}.{cap[1]}: use bf16 KV (index --kv-dtype bf16), or --device cpu")
+    dt = compute_dtype(kv_dt, dev)
     if name.startswith("random:"):
-        return _load_random(name, dev, dt)
+        return _load_random(name, dev, dt, kv_dt)
     path = smollm2_dir() if name == DEFAULT_MODEL else _model_dir(name)
-    return _load_directory(name, path, dev, dt, trust_remote_code)
+    return _load_directory(name, path, dev, dt, kv_dt, trust_remote_code)
 
 
 def model_config(name: str, trust_remote_code: bool = False) -> ModelConfig:
@@ -138,7 +156,8 @@ def _directory_config(path: Path, trust_remote_code: bool):
     return hf_config
 
 
-def _load_directory(name: str, path: Path, dev: torch.device, dt: torch.dtype, trust_remote_code: bool) -> LoadedModel:
+def _load_directory(name: str, path: Path, dev: torch.device, dt: torch.dtype, kv_dt: torch.dtype,
+                    trust_remote_code: bool) -> LoadedModel:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     hf_config = _directory_config(path, trust_remote_code)
@@ -146,8 +165,8 @@ def _load_directory(name: str, path: Path, dev: torch.device, dt: torch.dtype, t
     hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=dt, trust_remote_code=trust_remote_code)
     model = transformer_from_hf(hf_config, hf_model.state_dict(), dev, dt)
     del hf_model
-    fp = fingerprint(hf_config, tokenizer, _weights_digest(path), dt)
-    return LoadedModel(name, model, tokenizer, hf_config, fp, dev, dt)
+    fp = fingerprint(hf_config, tokenizer, _weights_digest(path), kv_dt)
+    return LoadedModel(name, model, tokenizer, hf_config, fp, dev, dt, kv_dt)
 
 
 def transformer_from_hf(hf_config, state_dict, dev: torch.device, dt: torch.dtype) -> Transformer:
@@ -170,7 +189,7 @@ def _preset(name: str) -> str:
     return preset
 
 
-def _load_random(name: str, dev: torch.device, dt: torch.dtype) -> LoadedModel:
+def _load_random(name: str, dev: torch.device, dt: torch.dtype, kv_dt: torch.dtype) -> LoadedModel:
     preset = _preset(name)
     hf_config = preset_config(preset)
     inv_freq, scale = rope_frequencies(hf_config)
@@ -189,8 +208,8 @@ def _load_random(name: str, dev: torch.device, dt: torch.dtype) -> LoadedModel:
     model.eval().requires_grad_(False)
     tokenizer = byte_tokenizer()
     digest = hashlib.sha256(f"random:{preset}:seed0".encode()).hexdigest()
-    fp = fingerprint(hf_config, tokenizer, digest, dt)
-    return LoadedModel(name, model, tokenizer, hf_config, fp, dev, dt)
+    fp = fingerprint(hf_config, tokenizer, digest, kv_dt)
+    return LoadedModel(name, model, tokenizer, hf_config, fp, dev, dt, kv_dt)
 
 
 def fingerprint(hf_config, tokenizer, weights_digest: str, kv_dtype: torch.dtype) -> str:

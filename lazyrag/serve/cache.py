@@ -28,6 +28,7 @@ class CacheCounters:
     hit_tokens: int = 0
     miss_tokens: int = 0
     host_hits: int = 0        # misses served by the host tier, not the disk
+    read_ahead: int = 0       # misses served by a read the look-ahead had started (done or not)
     bytes_read: int = 0       # from the store on disk
     bytes_to_gpu: int = 0     # copied into the pool
     evictions: int = 0
@@ -101,8 +102,13 @@ class ChunkCache:
         self.counters.evictions += 1
 
     def prefetch(self, infos: list[ChunkInfo]) -> None:
-        """Start reading the chunks of a coming request that are not in the pool."""
+        """Read ahead the chunks coming requests need that are not in the pool, in the order given
+        (the order they will be needed); replaces the previous call's list."""
         self.loader.prefetch([info for info in infos if info.chunk_id not in self._resident])
+
+    def is_loading(self, chunk_id: str) -> bool:
+        """Whether the chunk is not in the pool and its read is under way: acquiring it now would wait."""
+        return chunk_id not in self._resident and self.loader.reading(chunk_id)
 
     # -- pages ----------------------------------------------------------------------
     def alloc(self, n: int) -> list[int]:
@@ -131,6 +137,7 @@ class ChunkCache:
     def _count_load(self, load: LoadReport) -> None:
         c = self.counters
         c.host_hits += load.host_hit
+        c.read_ahead += load.read_ahead
         c.read_wait_s += load.read_wait_s
         c.bytes_read += load.bytes_read
         c.bytes_to_gpu += load.bytes_to_gpu

@@ -10,14 +10,19 @@ which the host refreshes before each replay. Its page table has a fixed width,
 `max_pages`: the kernels read each request's page count when they run and split its
 pages evenly over their programs, so one graph serves requests of any length up to that
 width (wider steps run eagerly). A batch is padded up to its bucket with one-token rows
-that read no pages and write their K/V to a page kept for the purpose.
+that read no pages and write their K/V to a page kept for the purpose. In lazy mode with
+chunk-major attention each graph also has a static plan of fixed capacity
+(lazyrag/serve/sharing.py), rewritten only when the batch changes; its kernel's programs past
+the plan's work exit at once.
 """
 
 from __future__ import annotations
 
 import torch
 
+from lazyrag import kernels
 from lazyrag.serve.paged import Feed, PagedAttention, PagePool, StepInputs, StepLayout, copy_step, pack_step
+from lazyrag.serve.sharing import ChunkMajor, graph_layout
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -28,8 +33,11 @@ def batch_buckets(max_batch: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, model, pool: PagePool, inv_freq: torch.Tensor, sm_scale: float, lazy: bool,
-                 max_batch: int, max_pages: int, pad_slot: int, ape: tuple[float, float] = (1.0, 1.0)):
+                 max_batch: int, max_pages: int, pad_slot: int, ape: tuple[float, float] = (1.0, 1.0),
+                 chunk_major: ChunkMajor | None = None):
         self.pool, self.max_pages, self.pad_slot, self.ape = pool, max_pages, pad_slot, ape
+        self.chunk_major = chunk_major
+        self._plans: dict[int, kernels.SharedPlan] = {}
         self.device = pool.kv.device
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, StepLayout, torch.Tensor]] = {}
         mempool = torch.cuda.graph_pool_handle()
@@ -44,6 +52,8 @@ class DecodeGraphs:
         views.cu.copy_(torch.arange(bs + 1, dtype=torch.int32))
         views.slots.fill_(self.pad_slot)  # every count is 0: a padding step, safe to run
         step = StepInputs.on(buf, layout)
+        if self.chunk_major:
+            step.shared = self._plans[bs] = self.chunk_major.static_plan(graph_layout(bs, self.max_pages))
 
         def forward():
             return model.logits(model(step.tokens, step.positions, PagedAttention(self.pool, step, inv_freq,
@@ -56,7 +66,9 @@ class DecodeGraphs:
             forward()
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=mempool):
+        # thread_local: a CUDA call made meanwhile by another thread (a chunk reader, a finaliser)
+        # must not invalidate this capture; in the default global mode one did, now and then
+        with torch.cuda.graph(graph, pool=mempool, capture_error_mode="thread_local"):
             logits = forward()
         return graph, buf, layout, logits
 
@@ -66,6 +78,8 @@ class DecodeGraphs:
         bs = min((b for b in self._graphs if b >= len(feeds)), default=None)
         if bs is None:
             return None
+        if self.chunk_major:
+            feeds = self.chunk_major.graph_feeds(feeds, self._plans[bs])
         host, packed = pack_step(feeds, self.pool.page_size, batch=bs, pad_slot=self.pad_slot, pin=True)
         if packed.width > self.max_pages:
             return None

@@ -27,16 +27,19 @@ from lazyrag.serve.request import Request, Sequence
 from lazyrag.serve.runner import Runner
 from lazyrag.serve.sampler import Sampler, Sampling
 from lazyrag.serve.scheduler import OnError, Scheduler
-from lazyrag.store import Store
+from lazyrag.serve.sharing import ChunkMajor
+from lazyrag.store import Store, StoreMismatch, torch_dtype
 
 
 class Engine:
     def __init__(self, loaded: LoadedModel, store: Store, mode: Mode | str, cache_bytes: float, batch_size: int,
                  sampling: Sampling = Sampling(), host_cache_bytes: float = 0, stop_at_eos: bool = True,
                  cuda_graphs: bool = True, recompute: Recompute = Recompute(),
-                 ape: tuple[float, float] = (1.0, 1.0)):
+                 ape: tuple[float, float] = (1.0, 1.0), shared_attention: bool = True):
         """ape: APE's (temperature, scale) on the attention from each request's own tokens to
-        its chunk pages, lazy and block only; (1, 1) is off."""
+        its chunk pages, lazy and block only; (1, 1) is off. shared_attention: in lazy mode, each
+        step reads the pages several of its requests share once for all of them (chunk-major
+        attention, lazyrag/serve/sharing.py); otherwise, and for fp8 pools, per request."""
         mode_class = select_mode(mode)
         kernels.check_ape(*ape)
         if Mode(mode) is Mode.FULL and kernels.ape_enabled(*ape):
@@ -44,11 +47,18 @@ class Engine:
                              "the request's own tokens")
         self.ranking_layer = recompute.ranking_layer(loaded.cfg.num_layers) if recompute.needs_scores else 0
         s = store.settings
+        if torch_dtype(s.kv_dtype) != loaded.kv_dtype:
+            raise StoreMismatch(f"the store's KV is {s.kv_dtype} but the model was loaded for "
+                                f"{str(loaded.kv_dtype).removeprefix('torch.')} KV; load it with the store's dtype")
         self.batch_size, self.device = batch_size, loaded.device
         self.pool = PagePool.for_bytes(cache_bytes, s.num_layers, s.num_kv_heads, s.head_dim, s.page_size,
-                                       loaded.dtype, loaded.device)
+                                       loaded.kv_dtype, loaded.device)
         self.cache = ChunkCache(self.pool, ChunkLoader(store, self.pool, host_cache_bytes))
-        self.runner = Runner(loaded, self.pool, mode_class.rotate_queries, ape)
+        chunk_major = None
+        if shared_attention and mode_class.shares_chunks and loaded.kv_dtype != kernels.FP8:
+            cfg = loaded.cfg
+            chunk_major = ChunkMajor(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, loaded.device)
+        self.runner = Runner(loaded, self.pool, mode_class.rotate_queries, ape, chunk_major)
         self.mode = mode_class(s.preamble_ids, s.page_size, self.runner.rotate_copy, recompute)
         self.sampler = Sampler(sampling)
         self.stop_ids = loaded.eos_ids if stop_at_eos else set()  # benchmarks fix the answer length

@@ -1,16 +1,20 @@
 """Chunk I/O: getting a chunk's KV from the store (or the host tier) into pool pages.
 
-Reads run on a thread pool so the look-ahead prefetch of coming queries overlaps the
-GPU's work; they land in recycled pinned buffers, and host to GPU copies go on their
-own CUDA stream. An optional pinned host-memory tier keeps recently read chunks, so a
-chunk evicted from the pool comes back without the disk. What to load and when is the
-chunk cache's business (lazyrag/serve/cache.py); this module only moves bytes and
+The look-ahead names the chunks coming requests need, in the order they will need them. Reads
+start in that order on reader threads while the bytes read ahead and not yet loaded stay within
+a budget (on a GPU, the pinned staging buffers they land in), and every load that consumes one
+starts the next, so the store is read while the GPU works. Each chunk read is itself split into
+pieces read in parallel (lazyrag/store/parallel_reads.py). Host to GPU copies go on their own
+CUDA stream. An optional host-memory tier keeps recently read chunks, so a chunk evicted from
+the pool comes back without the disk; on a GPU it keeps the pinned buffer the chunk was read
+into and gives staging one back when it evicts, so the host copies nothing. What to load and
+when is the chunk cache's business (lazyrag/serve/cache.py); this module only moves bytes and
 reports what each load cost.
 """
 
 from __future__ import annotations
 
-import math
+import threading
 import time
 from collections import OrderedDict, deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -20,7 +24,9 @@ from typing import Protocol
 import torch
 
 from lazyrag.serve.paged import PagePool
-from lazyrag.store import ChunkInfo, Store
+from lazyrag.store import ChunkInfo, Store, rows_dtype
+
+Slot = tuple  # (pinned buffer, or None: pin one when first written; event of its last copy, or None)
 
 
 @dataclass
@@ -28,6 +34,7 @@ class LoadReport:
     """What one load cost, for the cache's counters."""
 
     host_hit: bool = False    # served by the host tier, not the disk
+    read_ahead: bool = False  # served by a read the look-ahead had started
     read_wait_s: float = 0.0  # waiting on the disk read (or a prefetch still in flight)
     bytes_read: int = 0       # from the store on disk
     bytes_to_gpu: int = 0     # copied into the pool
@@ -36,7 +43,12 @@ class LoadReport:
 class Loader(Protocol):
     """What the chunk cache needs from its I/O."""
 
-    def prefetch(self, infos: list[ChunkInfo]) -> None: ...
+    def prefetch(self, infos: list[ChunkInfo]) -> None:
+        """The chunks coming requests need, none in the pool, in the order they will be needed;
+        each call replaces the last one's list."""
+
+    def reading(self, chunk_id: str) -> bool:
+        """Whether the chunk's read has started and not finished: loading it now would wait."""
 
     def load(self, info: ChunkInfo, pages: list[int]) -> LoadReport: ...
 
@@ -44,157 +56,255 @@ class Loader(Protocol):
 
 
 @dataclass
+class _Kept:
+    """A chunk in the host tier: its KV, the staging buffer holding it (GPU only), the event of its
+    last copy to the GPU, and what it costs the tier's budget."""
+
+    kv: torch.Tensor
+    buf: torch.Tensor | None
+    copied: torch.cuda.Event | None
+    cost: int
+
+
+@dataclass
 class _HostTier:
     budget: int
     used: int = 0
-    entries: OrderedDict = field(default_factory=OrderedDict)
+    entries: OrderedDict[str, _Kept] = field(default_factory=OrderedDict)
 
-    def get(self, chunk_id: str) -> torch.Tensor | None:
-        t = self.entries.get(chunk_id)
-        if t is not None:
+    def get(self, chunk_id: str) -> _Kept | None:
+        kept = self.entries.get(chunk_id)
+        if kept is not None:
             self.entries.move_to_end(chunk_id)
-        return t
+        return kept
 
-    def put(self, chunk_id: str, t: torch.Tensor) -> None:
-        size = t.numel() * t.element_size()
-        if size > self.budget or chunk_id in self.entries:
-            return
-        while self.used + size > self.budget:
-            _, old = self.entries.popitem(last=False)
-            self.used -= old.numel() * old.element_size()
-        self.entries[chunk_id] = t
-        self.used += size
+    def put(self, chunk_id: str, kept: _Kept) -> list[_Kept]:
+        """Keep a chunk (its cost at most the budget); return the entries evicted for it."""
+        evicted = []
+        old = self.entries.pop(chunk_id, None)
+        if old is not None:
+            self.used -= old.cost
+            evicted.append(old)
+        while self.used + kept.cost > self.budget:
+            _, lru = self.entries.popitem(last=False)
+            self.used -= lru.cost
+            evicted.append(lru)
+        self.entries[chunk_id] = kept
+        self.used += kept.cost
+        return evicted
 
 
 class PinnedStaging:
     """Pinned host buffers that chunk reads land in on their way to the GPU, recycled.
 
     Pinning memory is slow (about 0.2 s per 64 MB on an H200 machine, long enough to stall
-    chunk loads), so buffers are made once per process and handed from loader to loader.
-    A buffer is written again only after its last copy to the GPU has run.
+    chunk loads), so a buffer is pinned once, on the reader thread that first writes it, and
+    kept for the process (handed from loader to loader). A buffer is written again only after
+    its last copy to the GPU has run: the reader thread waits for that copy, not the engine.
     """
 
     _spare: dict[int, list[torch.Tensor]] = {}  # process-wide, by size in bytes
+    _spare_lock = threading.Lock()
 
     def __init__(self, nbytes: int, count: int):
-        spare = self._spare.setdefault(nbytes, [])
         self.nbytes = nbytes
-        self.free: deque = deque()
-        for _ in range(count):
-            buf = spare.pop() if spare else torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-            self.free.append((buf, None))
+        self.free: deque[Slot] = deque((None, None) for _ in range(count))
 
-    def take(self) -> torch.Tensor | None:
-        if not self.free:
-            return None
-        buf, copied = self.free.popleft()
+    def take(self) -> Slot | None:
+        return self.free.popleft() if self.free else None
+
+    def give(self, buf: torch.Tensor | None, copied: torch.cuda.Event | None = None) -> None:
+        """A buffer back (None: one the host tier kept; a new one is pinned when needed)."""
+        self.free.append((buf, copied))
+
+    def writable(self, slot: Slot) -> torch.Tensor:
+        """The slot's buffer once no copy reads it, pinned now if it has none (a reader thread calls this)."""
+        buf, copied = slot
         if copied is not None:
             copied.synchronize()
-        return buf
-
-    def give(self, buf: torch.Tensor, copied: torch.cuda.Event | None = None) -> None:
-        self.free.append((buf, copied))
+        if buf is None:
+            with self._spare_lock:
+                spare = self._spare.get(self.nbytes)
+                buf = spare.pop() if spare else None
+        return buf if buf is not None else torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=True)
 
     def close(self) -> None:
         while self.free:
-            self._spare[self.nbytes].append(self.take())
+            buf, copied = self.free.popleft()
+            if buf is not None:
+                if copied is not None:
+                    copied.synchronize()
+                with self._spare_lock:
+                    self._spare.setdefault(self.nbytes, []).append(buf)
+
+
+@dataclass
+class _Read:
+    """One chunk read: started by the look-ahead (a future) or on demand."""
+
+    info: ChunkInfo
+    slot: Slot | None  # None: read into pageable memory
+    nbytes: int
+    buf: torch.Tensor | None = None  # the staging buffer, once the reader has it
+    future: Future | None = None
 
 
 class ChunkLoader:
-    """Reads chunks from the store into pool pages (the `Loader` the engine uses)."""
+    """Reads chunks from the store into pool pages (the `Loader` the engine uses).
+
+    read_threads: chunk reads at once (each split into pieces on the store's readers);
+    staging_bytes: the most bytes read ahead and not yet loaded (on a GPU, the pinned staging
+    buffers, one per chunk, pinned when first used)."""
 
     def __init__(self, store: Store, pool: PagePool, host_cache_bytes: float = 0, read_threads: int = 4,
-                 max_prefetch: int = 32, staging_bytes: int = 4 << 30):
+                 staging_bytes: int = 4 << 30):
         self.store, self.pool = store, pool
         self.host = _HostTier(int(host_cache_bytes))
         self.reader = ThreadPoolExecutor(read_threads, thread_name_prefix="lazyrag-read")
-        self.pending: dict[str, tuple[Future, torch.Tensor | None]] = {}
-        self.max_prefetch = max_prefetch
+        self.pending: dict[str, _Read] = {}  # reads started by the look-ahead and not loaded yet
+        self.wanted: list[ChunkInfo] = []    # the look-ahead's chunks not started yet, in need order
+        self.budget, self.ahead_bytes = staging_bytes, 0
         self.stream = torch.cuda.Stream(pool.kv.device) if pool.kv.is_cuda else None
-        self.row_bytes = math.prod(store.settings.row_shape) * pool.kv.element_size()
+        self.row_bytes = store.settings.row_bytes  # fp8 rows carry their scales: the loader moves both
         self.staging = None
         chunk_bytes = store.max_padded_length() * self.row_bytes
         if pool.kv.is_cuda and chunk_bytes:  # reads deeper than the buffers wait for one to come back
-            self.staging = PinnedStaging(chunk_bytes, max(2, min(2 * read_threads, staging_bytes // chunk_bytes)))
+            self.staging = PinnedStaging(chunk_bytes, max(2, staging_bytes // chunk_bytes))
 
     def prefetch(self, infos: list[ChunkInfo]) -> None:
-        """Start reading chunks a coming request will need (the caller passes only chunks not in
-        the pool); chunks in flight or in the host tier are skipped."""
+        """Read ahead the chunks coming requests need (none in the pool), in that order: chunks in
+        flight or in the host tier are skipped, the rest start while the budget allows. A finished
+        read no coming request needs any more (its request failed) gives its bytes back."""
+        needed = {info.chunk_id for info in infos}
+        for read in [r for cid, r in self.pending.items() if cid not in needed and r.future.done()]:
+            del self.pending[read.info.chunk_id]
+            self.ahead_bytes -= read.nbytes
+            self._give_back(read)
+        wanted, seen = [], set()
         for info in infos:
-            if len(self.pending) >= self.max_prefetch:
-                return
             cid = info.chunk_id
-            if cid in self.pending or cid in self.host.entries:  # a check, not a use: no LRU touch
+            if cid in seen or cid in self.pending or cid in self.host.entries:  # a check, not a use: no LRU touch
                 continue
-            buf = self._staging_buffer(info)
-            if buf is None and self.staging is not None:
-                return  # every buffer holds a chunk not yet loaded
-            self.pending[cid] = (self.reader.submit(self._read, info, buf), buf)
+            seen.add(cid)
+            wanted.append(info)
+        self.wanted = wanted
+        self._start_wanted()
+
+    def reading(self, chunk_id: str) -> bool:
+        read = self.pending.get(chunk_id)
+        return read is not None and not read.future.done()
 
     def load(self, info: ChunkInfo, pages: list[int]) -> LoadReport:
         """Write the chunk's KV into `pages`; compute waits only for this chunk's copy."""
         report = LoadReport()
-        host, buf = self._host_copy(info, report)
-        if self.stream is None:
-            self.pool.write_tokens(pages, host)
+        kept = self.host.get(info.chunk_id)
+        if kept is not None:
+            report.host_hit = True
+            kept.copied = self._to_pool(kept.kv, pages)
+            host = kept.kv
         else:
-            self.stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(self.stream):
-                self.pool.write_tokens(pages, host)
-            torch.cuda.current_stream().wait_stream(self.stream)
-        if buf is not None:
-            copied = torch.cuda.Event()
-            copied.record(self.stream)
-            self.staging.give(buf, copied)
+            host, buf = self._wait_read(info, report)
+            self._keep(info.chunk_id, host, buf, self._to_pool(host, pages))
         report.bytes_to_gpu = host.numel() * host.element_size()
+        self._start_wanted()  # a buffer may have come back
         return report
 
-    def _staging_buffer(self, info: ChunkInfo) -> torch.Tensor | None:
-        if self.staging is None or info.padded_length * self.row_bytes > self.staging.nbytes:
+    def _to_pool(self, host: torch.Tensor, pages: list[int]) -> torch.cuda.Event | None:
+        """Copy into the pool (on the copy stream, after the compute queued so far); the copy's event."""
+        if self.stream is None:
+            self.pool.write_tokens(pages, host)
             return None
-        return self.staging.take()
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            self.pool.write_tokens(pages, host)
+        torch.cuda.current_stream().wait_stream(self.stream)
+        copied = torch.cuda.Event()
+        copied.record(self.stream)
+        return copied
 
-    def _read(self, info: ChunkInfo, buf: torch.Tensor | None) -> torch.Tensor:
-        shape = (info.padded_length, *self.store.settings.row_shape)
-        dtype = self.pool.kv.dtype
-        if buf is None:  # no staging buffer free (or none fits): pageable memory, a slower copy
+    def _start_wanted(self) -> None:
+        """Start wanted reads, in order, while the bytes ahead stay within the budget (at least one
+        read runs) and, on a GPU, a staging buffer is free."""
+        started = 0
+        for info in self.wanted:
+            nbytes = info.padded_length * self.row_bytes
+            if self.pending and self.ahead_bytes + nbytes > self.budget:
+                break
+            staged = self.staging is not None and nbytes <= self.staging.nbytes
+            slot = self.staging.take() if staged else None
+            if staged and slot is None:
+                break  # every buffer holds a chunk not loaded yet (or one still being copied)
+            read = self.pending[info.chunk_id] = _Read(info, slot, nbytes)
+            read.future = self.reader.submit(self._read, read)
+            self.ahead_bytes += nbytes
+            started += 1
+        del self.wanted[:started]
+
+    def _read(self, read: _Read) -> torch.Tensor:
+        shape = (read.info.padded_length, *self.store.settings.row_shape)
+        dtype = rows_dtype(self.store.settings.kv_dtype)
+        if read.slot is None:  # no staging buffer (none free, none fits, or no GPU): pageable memory
             out = torch.empty(shape, dtype=dtype)
         else:
-            out = buf[: info.padded_length * self.row_bytes].view(dtype).view(shape)
-        return self.store.read_kv(info, out=out)
+            read.buf = self.staging.writable(read.slot)
+            out = read.buf[: read.nbytes].view(dtype).view(shape)
+        return self.store.read_kv(read.info, out=out)
 
-    def _host_copy(self, info: ChunkInfo, report: LoadReport) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The chunk's KV on the host, and the staging buffer holding it (to give back)."""
+    def _wait_read(self, info: ChunkInfo, report: LoadReport) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The chunk's KV read from the store (by the look-ahead, or now), and its staging buffer."""
         cid = info.chunk_id
-        host = self.host.get(cid)
-        if host is not None:
-            report.host_hit = True
-            return host, None
-        future, buf = self.pending.pop(cid, (None, None))
+        self.wanted = [w for w in self.wanted if w.chunk_id != cid]
+        read = self.pending.pop(cid, None)
         t = time.perf_counter()
         try:
-            if future is None:
-                buf = self._staging_buffer(info)
-                host = self._read(info, buf)
+            if read is None:
+                staged = self.staging is not None and info.padded_length * self.row_bytes <= self.staging.nbytes
+                read = _Read(info, self.staging.take() if staged else None, info.padded_length * self.row_bytes)
+                host = self._read(read)
             else:
-                host = future.result()  # a failed prefetch raises its error here, for this request
+                report.read_ahead = True
+                self.ahead_bytes -= read.nbytes
+                host = read.future.result()  # a failed prefetch raises its error here, for this request
         except BaseException:
-            if buf is not None:  # nothing was copied from it
-                self.staging.give(buf)
+            self._give_back(read)
             raise
         report.read_wait_s = time.perf_counter() - t
         report.bytes_read = host.numel() * host.element_size()
-        if report.bytes_read <= self.host.budget:
-            if buf is not None:  # the tier keeps its own pinned copy: the staging buffer is reused
-                host = torch.empty(host.shape, dtype=host.dtype, pin_memory=True).copy_(host)
-            self.host.put(cid, host)
-        return host, buf
+        return host, read.buf
+
+    def _keep(self, chunk_id: str, host: torch.Tensor, buf: torch.Tensor | None,
+              copied: torch.cuda.Event | None) -> None:
+        """After a disk read: the host tier keeps the chunk where it has room, else its buffer goes back."""
+        if self.staging is None:  # no GPU: the tier keeps the tensor read
+            nbytes = host.numel() * host.element_size()
+            if nbytes <= self.host.budget:
+                self.host.put(chunk_id, _Kept(host, None, None, nbytes))
+            return
+        if buf is None:
+            return  # read into pageable memory: the tier holds pinned buffers only
+        if self.host.budget < self.staging.nbytes:
+            self.staging.give(buf, copied)
+            return
+        evicted = self.host.put(chunk_id, _Kept(host, buf, copied, self.staging.nbytes))
+        for old in evicted:  # each the size of the buffer kept: one at most
+            self.staging.give(old.buf, old.copied)
+        if not evicted:
+            self.staging.give(None)  # the tier grew by a buffer: staging pins a new one when it needs it
+
+    def _give_back(self, read: _Read | None) -> None:
+        """A failed or abandoned read's staging buffer, which nothing was copied from."""
+        if read is None or read.slot is None:
+            return
+        self.staging.give(*((read.buf, None) if read.buf is not None else read.slot))
 
     def close(self) -> None:
         self.reader.shutdown(wait=True, cancel_futures=True)
         if self.staging is not None:
-            for _, buf in self.pending.values():
-                if buf is not None:
-                    self.staging.give(buf)
-            self.pending.clear()
+            for read in self.pending.values():
+                self._give_back(read)
+            for kept in self.host.entries.values():
+                self.staging.give(kept.buf, kept.copied)
             self.staging.close()
+        self.pending.clear()
+        self.wanted = []
+        self.host.entries.clear()

@@ -113,6 +113,9 @@ class ServingMode:
                               self.prompt_ids(seq.request), pins, own_pages,
                               [p for c in copies for p in c.dst] + spare, n_preamble=len(self.preamble),
                               chunk_rows=[len(r) for r in chunk_rows], spare=spare)
+        if self.shares_chunks:  # the preamble's and each chunk's pages, read in place by every request using them
+            placement.shared = np.concatenate([np.full(len(r), r[0, PAGE] + 1 if len(r) else 0, np.int32)
+                                               for r in context] + [np.zeros(len(own), np.int32)])
         if copies:
             self.rotate_copy(copies)
             for entry in pins:  # the copy is all the request needs now
@@ -135,6 +138,7 @@ class ServingMode:
                 # the shared page stays as it is for every other request: this one reads a private
                 # page in its place, with the same start and delta (keys at the same stored positions)
                 p.rows[row, PAGE] = p.spare.pop()
+                p.shared[row] = 0
             chunk = request.chunks[c]
             p.recompute.append((row, list(chunk.token_ids[q * ps: q * ps + int(p.rows[row, LENGTH])])))
 

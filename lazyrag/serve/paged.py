@@ -3,6 +3,9 @@
 `PagePool` is the memory: one tensor [2 (k/v), layers, num_pages, page_size,
 kv_heads, head_dim] and a free list (k/v outermost, so all layers' key pages form
 one [layers * num_pages, ...] array: block mode copies every layer in one launch).
+A pool of an fp8 store holds e4m3 pages and one fp32 scale per (token, KV head) row
+beside them, [2, layers, num_pages, page_size, kv_heads]; the request's own tokens are
+quantised the same way as they are written, so one pool holds one dtype.
 In serving, the chunk cache is the only thing that allocates and releases its pages.
 A request sees the pool through page rows (see `page_rows`): which physical page, its
 rotation shift `delta`, the stored position of its first token and how many of its
@@ -26,6 +29,7 @@ import torch
 
 from lazyrag import kernels
 from lazyrag.models import rotate
+from lazyrag.store import kv_row_bytes, pack_fp8_rows, unpack_fp8_rows
 
 
 class OutOfPages(RuntimeError):
@@ -39,20 +43,29 @@ def pages_for(tokens: int, page_size: int) -> int:
 class PagePool:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_pages: int, page_size: int,
                  dtype: torch.dtype, device: torch.device):
+        """dtype: the pages' (the store's KV dtype); fp8 pages come with their scales."""
         self.page_size = page_size
         self.kv = torch.zeros(2, num_layers, num_pages, page_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+        self.scales = (torch.zeros(2, num_layers, num_pages, page_size, num_kv_heads, device=device)
+                       if dtype == kernels.FP8 else None)
         self._free = list(range(num_pages - 1, -1, -1))  # a stack: page 0 is handed out first
         self.num_pages = num_pages
         self.peak_used = 0
 
+    @staticmethod
+    def page_bytes(num_layers: int, num_kv_heads: int, head_dim: int, page_size: int, dtype: torch.dtype) -> int:
+        """Bytes of one page of every layer's K and V (fp8: scales included)."""
+        return page_size * kv_row_bytes(str(dtype).removeprefix("torch."), num_layers, num_kv_heads, head_dim)
+
     @classmethod
     def for_bytes(cls, budget_bytes: float, num_layers, num_kv_heads, head_dim, page_size, dtype, device) -> "PagePool":
-        per_page = num_layers * 2 * page_size * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
+        per_page = cls.page_bytes(num_layers, num_kv_heads, head_dim, page_size, dtype)
         return cls(num_layers, num_kv_heads, head_dim, max(1, int(budget_bytes // per_page)), page_size, dtype, device)
 
     @property
     def bytes_per_page(self) -> int:
-        return self.kv[:, :, 0].numel() * self.kv.element_size()
+        _, layers, _, page_size, kv_heads, head_dim = self.kv.shape
+        return self.page_bytes(layers, kv_heads, head_dim, page_size, self.kv.dtype)
 
     @property
     def num_layers(self) -> int:
@@ -83,21 +96,56 @@ class PagePool:
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.kv[0, i], self.kv[1, i]
 
+    def layer_scales(self, i: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The scales of layer i's key and value pages [num_pages, page_size, kv_heads]; None unless fp8."""
+        return (None, None) if self.scales is None else (self.scales[0, i], self.scales[1, i])
+
     def all_layers(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Key and value pages of every layer as [layers * num_pages, page_size, kv_heads, head_dim];
         page p of layer l is row l * num_pages + p."""
         return self.kv[0].flatten(0, 1), self.kv[1].flatten(0, 1)
 
+    def all_layer_scales(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The scales of all_layers' pages, in the same rows; None unless fp8."""
+        return (None, None) if self.scales is None else (self.scales[0].flatten(0, 1), self.scales[1].flatten(0, 1))
+
+    def write_slots(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """A step's new K and V [tokens, kv_heads, head_dim] into their slots (page * page_size +
+        offset) of `layer`; an fp8 pool quantises each (token, KV head) row as the store does."""
+        for kv, pages, scales in zip((k, v), self.layer(layer), self.layer_scales(layer)):
+            if scales is None:
+                pages.view(-1, *pages.shape[2:])[slots] = kv
+            else:
+                values, scale = kernels.quantize_fp8(kv)
+                pages.view(-1, *pages.shape[2:])[slots] = values
+                scales.view(-1, scales.shape[-1])[slots] = scale
+
+    def keys(self, layer: int, pages: torch.Tensor) -> torch.Tensor:
+        """Key pages `pages` of `layer` in fp32 [n, page_size, kv_heads, head_dim], dequantised if fp8."""
+        k = self.kv[0, layer][pages]
+        return k.float() if self.scales is None else kernels.dequantize_fp8(k, self.scales[0, layer][pages])
+
     def write_tokens(self, pages: list[int], kv: torch.Tensor) -> None:
-        """kv in the store's layout [tokens (whole pages), layers, 2, kv_heads, head_dim]."""
+        """kv: rows in the store's layout [tokens (whole pages), *StoreSettings.row_shape]: [layers, 2,
+        kv_heads, head_dim], or for an fp8 pool packed rows (values and scale), unpacked on the device."""
         n = len(pages)
-        x = kv.view(n, self.page_size, *kv.shape[1:]).permute(3, 2, 0, 1, 4, 5)
-        self.kv[:, :, torch.tensor(pages, device=self.kv.device)] = x.to(self.kv.device, non_blocking=True)
+        # non_blocking for the page ids too: a blocking copy would wait for the whole copy stream
+        at = torch.tensor(pages).to(self.kv.device, non_blocking=True)
+        x = kv.view(n, self.page_size, *kv.shape[1:]).to(self.kv.device, non_blocking=True)
+        if self.scales is None:
+            self.kv[:, :, at] = x.permute(3, 2, 0, 1, 4, 5)
+            return
+        values, scales = unpack_fp8_rows(x)
+        self.kv[:, :, at] = values.permute(3, 2, 0, 1, 4, 5)
+        self.scales[:, :, at] = scales.permute(3, 2, 0, 1, 4)
 
     def read_tokens(self, pages: list[int]) -> torch.Tensor:
-        """The inverse of write_tokens: [len(pages) * page_size, layers, 2, kv_heads, head_dim]."""
-        x = self.kv[:, :, torch.tensor(pages, device=self.kv.device)]
-        return x.permute(2, 3, 1, 0, 4, 5).reshape(len(pages) * self.page_size, x.shape[1], 2, *x.shape[4:])
+        """The inverse of write_tokens: [len(pages) * page_size, *StoreSettings.row_shape]."""
+        at = torch.tensor(pages, device=self.kv.device)
+        x = self.kv[:, :, at].permute(2, 3, 1, 0, 4, 5)
+        if self.scales is not None:
+            x = pack_fp8_rows(x, self.scales[:, :, at].permute(2, 3, 1, 0, 4))
+        return x.reshape(len(pages) * self.page_size, *x.shape[2:])
 
 
 # A request's view of the pool is an array of page rows [n, 4] int32, in logical order:
@@ -129,6 +177,9 @@ class Feed:
     ape_rows: the rows [lo, hi) that take APE's temperature and scale (kernels.PageTable):
     the chunk pages, when the tokens fed are the request's own; none where they are not (the
     preamble, a recomputed chunk page).
+    shared: per row, 0 where only this request reads it, else a label naming the stored page
+    sequence (chunk, preamble) it is a page of, the same in every request: what chunk-major
+    attention shares (kernels.group_shared; lazyrag/serve/sharing.py). None: nothing shared.
     """
     rows: np.ndarray
     n_context: int
@@ -136,6 +187,7 @@ class Feed:
     first: int
     tokens: list[int]
     ape_rows: tuple[int, int] = (0, 0)
+    shared: np.ndarray | None = None
 
 
 ALIGN = 4  # int32s: every field starts 16-byte aligned
@@ -256,6 +308,7 @@ class StepInputs:
     cu_seqlens: torch.Tensor
     pages: kernels.PageTable
     decode: bool  # one token per request
+    shared: kernels.SharedPlan | None = None  # chunk-major: `pages` is then each request's remainder
 
     @classmethod
     def on(cls, buf: torch.Tensor, layout: StepLayout) -> "StepInputs":
@@ -288,15 +341,22 @@ class PagedAttention:
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         st = self.step
+        self.pool.write_slots(layer, st.slots, k, v)
         k_pages, v_pages = self.pool.layer(layer)
-        k_pages.view(-1, *k_pages.shape[2:])[st.slots] = k
-        v_pages.view(-1, *v_pages.shape[2:])[st.slots] = v
+        k_scale, v_scale = self.pool.layer_scales(layer)
         if not self.lazy:  # keys sit at logical positions: rotate q once, like any engine
             q = rotate(q, st.positions, self.inv_freq)
+        if st.shared is not None:  # lazy only: runs shared by several requests read once for all
+            ape = dict(ape_temperature=self.ape_temperature, ape_scale=self.ape_scale)
+            if st.decode:
+                return kernels.shared_decode(q, k_pages, v_pages, st.pages, st.shared, st.positions, self.inv_freq,
+                                             self.sm_scale, **ape)
+            return kernels.shared_prefill(q, k_pages, v_pages, st.pages, st.shared, st.cu_seqlens, st.positions,
+                                          self.inv_freq, self.sm_scale, **ape)
         if st.decode:
             return kernels.lazy_decode(q, k_pages, v_pages, st.pages, st.positions, self.inv_freq, self.sm_scale,
                                        rotate=self.lazy, ape_temperature=self.ape_temperature,
-                                       ape_scale=self.ape_scale)
+                                       ape_scale=self.ape_scale, k_scale=k_scale, v_scale=v_scale)
         return kernels.lazy_prefill(q, k_pages, v_pages, st.pages, st.cu_seqlens, st.positions, self.inv_freq,
                                     self.sm_scale, rotate=self.lazy, ape_temperature=self.ape_temperature,
-                                    ape_scale=self.ape_scale)
+                                    ape_scale=self.ape_scale, k_scale=k_scale, v_scale=v_scale)

@@ -41,6 +41,8 @@ class Placement:
     n_preamble: int = 0                               # rows of the shared preamble (context rows before the chunks)
     chunk_rows: list[int] = field(default_factory=list)  # rows of each chunk, in prompt order, after the preamble's
     spare: list[int] = field(default_factory=list)       # private pages not yet given a recomputed chunk page
+    shared: np.ndarray | None = None                  # per row: the label of the shared page sequence it reads, 0 if
+                                                      # only this request reads it (Feed.shared); None in other modes
 
     def release(self, cache: ChunkCache) -> None:
         for entry in self.pins:
@@ -104,7 +106,8 @@ class Sequence:
         """The step input that feeds `tokens` after the own tokens already in the pool; its
         chunk rows (after the preamble's, before its own) are its APE rows."""
         p = self.placement
-        return Feed(p.rows, p.n_context, p.own_start, self.fed, tokens, ape_rows=(p.n_preamble, p.n_context))
+        return Feed(p.rows, p.n_context, p.own_start, self.fed, tokens, ape_rows=(p.n_preamble, p.n_context),
+                    shared=p.shared)
 
     def accept(self, token: int, now: float, stop_ids: set[int]) -> None:
         """Take the token sampled for it; a stop token ends the answer without joining it."""

@@ -15,12 +15,15 @@ from lazyrag.serve.cuda_graphs import DecodeGraphs
 from lazyrag.serve.modes import ChunkCopy
 from lazyrag.serve.paged import DELTA, LENGTH, PAGE, START, Feed, PagedAttention, PagePool, StepInputs, pages_for
 from lazyrag.serve.request import Sequence
+from lazyrag.serve.sharing import ChunkMajor
 
 
-def recompute_feed(rows: np.ndarray, row: int, tokens: list[int]) -> Feed:
+def recompute_feed(rows: np.ndarray, row: int, tokens: list[int], shared: np.ndarray | None = None) -> Feed:
     """Compute a chunk page's tokens into the page `rows[row]` names, attending to the rows
-    before it: at their logical positions (start + delta), keys rotated at the stored ones."""
-    return Feed(rows[: row + 1], row, int(rows[row, START] + rows[row, DELTA]), 0, tokens)
+    before it: at their logical positions (start + delta), keys rotated at the stored ones.
+    shared: the placement's row labels (Feed.shared), if any."""
+    return Feed(rows[: row + 1], row, int(rows[row, START] + rows[row, DELTA]), 0, tokens,
+                shared=None if shared is None else shared[: row + 1])
 
 
 def prompt_feeds(seq: Sequence, tokens: list[int]) -> list[Feed]:
@@ -28,7 +31,7 @@ def prompt_feeds(seq: Sequence, tokens: list[int]) -> list[Feed]:
     step: every layer writes the step's K/V before it attends, so a recomputed page sees the
     pages recomputed before it, and the prompt sees them all."""
     p = seq.placement
-    return [recompute_feed(p.rows, row, chunk) for row, chunk in p.recompute] + [seq.feed(tokens)]
+    return [recompute_feed(p.rows, row, chunk, p.shared) for row, chunk in p.recompute] + [seq.feed(tokens)]
 
 
 class AttentionProbe:
@@ -47,13 +50,12 @@ class AttentionProbe:
         if layer < self.layer:
             return out
         at = self.attention
-        k_pages = at.pool.layer(layer)[0]
-        ps = k_pages.shape[1]
+        ps = at.pool.page_size
         cu = at.step.cu_seqlens.tolist()
         for b, f in enumerate(self.feeds):
             rows = torch.as_tensor(f.rows[: f.n_context + pages_for(f.first + len(f.tokens), ps)], device=q.device)
             j = torch.arange(ps, device=q.device)
-            keys = k_pages[rows[:, PAGE]].flatten(0, 1).float()                        # [n * ps, Hkv, D]
+            keys = at.pool.keys(layer, rows[:, PAGE]).flatten(0, 1)                    # [n * ps, Hkv, D]
             delta = rows[:, DELTA, None].expand(-1, ps).flatten()
             key_pos = (rows[:, START, None] + rows[:, DELTA, None] + j).flatten()
             valid = (j < rows[:, LENGTH, None]).flatten()
@@ -70,29 +72,34 @@ class AttentionProbe:
 
 class Runner:
     """ape: APE's (temperature, scale) on the attention from each request's own tokens to its
-    chunk pages (Feed.ape_rows); (1, 1) is off."""
+    chunk pages (Feed.ape_rows); (1, 1) is off. chunk_major: lazy steps read the pages several
+    requests share once for all of them (lazyrag/serve/sharing.py); None: per request."""
 
     def __init__(self, loaded: LoadedModel, pool: PagePool, rotate_queries: bool,
-                 ape: tuple[float, float] = (1.0, 1.0)):
+                 ape: tuple[float, float] = (1.0, 1.0), chunk_major: ChunkMajor | None = None):
         self.model, self.pool, self.rotate_queries, self.ape = loaded.model, pool, rotate_queries, ape
         self.device = loaded.device
         self.max_positions = loaded.cfg.max_position_embeddings
         self.sm_scale = loaded.cfg.head_dim ** -0.5
         self.vocab = len(loaded.tokenizer)
         self.graphs: DecodeGraphs | None = None
+        self.chunk_major = chunk_major
 
     def capture_graphs(self, batch_size: int, pad_page: int) -> None:
         """Capture the decode step of each batch-size bucket; padding rows write to `pad_page`."""
         max_pages = min(self.pool.num_pages, self.pool.pages_for(self.max_positions))
         self.graphs = DecodeGraphs(self.model, self.pool, self.model.inv_freq, self.sm_scale, self.rotate_queries,
-                                   batch_size, max_pages, pad_page * self.pool.page_size, self.ape)
+                                   batch_size, max_pages, pad_page * self.pool.page_size, self.ape, self.chunk_major)
 
     def forward(self, feeds: list[Feed], select: torch.Tensor | None = None,
                 rotate_queries: bool | None = None) -> torch.Tensor:
         """One eager step. Returns the logits of each feed's last token, or of the packed token
         indices in `select`. rotate_queries: the mode's unless given."""
         rotate = self.rotate_queries if rotate_queries is None else rotate_queries
-        step = StepInputs.upload(feeds, self.pool.page_size, self.device)
+        if rotate and self.chunk_major:
+            step = self.chunk_major.upload(feeds, self.pool.page_size)
+        else:
+            step = StepInputs.upload(feeds, self.pool.page_size, self.device)
         attention = PagedAttention(self.pool, step, self.model.inv_freq, self.sm_scale, rotate, self.ape)
         hidden = self.model(step.tokens, step.positions, attention, key_positions=step.key_positions)
         rows = step.cu_seqlens[1:] - 1 if select is None else select.to(self.device)
@@ -153,12 +160,14 @@ class Runner:
         return probe.mass
 
     def rotate_copy(self, copies: list[ChunkCopy]) -> None:
-        """Every layer's pages of every chunk in one fused launch."""
+        """Every layer's pages of every chunk in one fused launch (fp8 keys requantised in the same pool)."""
         src = torch.tensor([p for c in copies for p in c.src], dtype=torch.int32)
         dst = torch.tensor([p for c in copies for p in c.dst], dtype=torch.int32)
         delta = torch.tensor([c.delta for c in copies for _ in c.src], dtype=torch.int32)
         layer_base = (torch.arange(self.pool.num_layers, dtype=torch.int32) * self.pool.num_pages)[:, None]
         k_pages, v_pages = self.pool.all_layers()
+        k_scale, v_scale = self.pool.all_layer_scales()
         kernels.rotate_copy(k_pages, v_pages, (layer_base + src).flatten().to(self.device),
                             (layer_base + dst).flatten().to(self.device),
-                            delta.repeat(self.pool.num_layers).to(self.device), self.model.inv_freq)
+                            delta.repeat(self.pool.num_layers).to(self.device), self.model.inv_freq,
+                            k_scale=k_scale, v_scale=v_scale)

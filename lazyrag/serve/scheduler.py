@@ -4,9 +4,11 @@ Sequences wait in arrival order. While the batch has room, the oldest arrived on
 admitted if the pool can take it now, counting the pages that evicting unpinned chunks
 would free; newly admitted ones are prefilled together, and otherwise every running
 sequence decodes one token. A sequence leaves as soon as it ends and the next takes
-its place. The chunks of up to `lookahead` coming sequences are prefetched meanwhile.
-The scheduler sees the cache only through `is_resident`, `available_pages` and
-`prefetch` (and the mode, which places a sequence, through the cache's allocator).
+its place. The chunks of up to `lookahead` coming sequences are read ahead meanwhile, in
+the order they will be needed, and while others run a sequence whose chunks are still
+being read waits for them instead of stalling the batch. The scheduler sees the cache only
+through `is_resident`, `is_loading`, `available_pages` and `prefetch` (and the mode, which
+places a sequence, through the cache's allocator).
 
 The source of sequences may be an open stream: it yields None while nothing new has arrived,
 and the scheduler runs what it has and asks again at the next step (after OPEN_STREAM_POLL_S
@@ -62,8 +64,7 @@ class Scheduler:
         then; while an open stream has nothing yet, it asks again every OPEN_STREAM_POLL_S."""
         while True:
             stream_idle = self._refill()
-            for seq in self.waiting:
-                self.cache.prefetch(self.mode.cached_chunks(seq.request))
+            self.cache.prefetch([c for seq in self.waiting for c in self.mode.cached_chunks(seq.request)])
             admitted = self._admit(time.perf_counter())
             if admitted:
                 return Step(admitted, prefill=True)
@@ -116,6 +117,8 @@ class Scheduler:
                 if self.running or admitted:
                     break  # wait for running sequences to free pages
                 raise OutOfPages(f"request {seq.id} does not fit in the cache even alone: raise --cache-gb")
+            if (self.running or admitted) and self._still_reading(seq):
+                break  # the batch runs on while its chunks arrive; it comes next
             self.waiting.popleft()
             held = _Held(self.cache)
             try:
@@ -131,6 +134,9 @@ class Scheduler:
         for seq, exc in failed:  # once the batch is consistent, in case the callback raises
             self.on_error(seq, exc)
         return admitted
+
+    def _still_reading(self, seq: Sequence) -> bool:
+        return any(self.cache.is_loading(c.chunk_id) for c in self.mode.cached_chunks(seq.request))
 
 
 class _Held:

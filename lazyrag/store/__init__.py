@@ -12,6 +12,7 @@ catalog's manifest log in manifests.py).
 from .catalog import ChunkInfo, NewChunk
 from .compaction import CompactResult
 from .format import (
+    FP8_KV,
     FORMAT_NAME,
     FORMAT_VERSION,
     KV_DTYPES,
@@ -22,15 +23,20 @@ from .format import (
     StoreMismatch,
     StoreSettings,
     chunk_id_for,
+    kv_row_bytes,
     kv_to_storage,
+    pack_fp8_rows,
+    rows_dtype,
     storage_dtype,
     torch_dtype,
+    unpack_fp8_rows,
 )
 from .integrity import CheckReport
 from .segments import SegmentReader
 from .store import Store
 
 __all__ = [
+    "FP8_KV",
     "FORMAT_NAME",
     "FORMAT_VERSION",
     "KV_DTYPES",
@@ -47,7 +53,11 @@ __all__ = [
     "StoreMismatch",
     "StoreSettings",
     "chunk_id_for",
+    "kv_row_bytes",
     "kv_to_storage",
+    "pack_fp8_rows",
+    "rows_dtype",
     "storage_dtype",
     "torch_dtype",
+    "unpack_fp8_rows",
 ]

@@ -15,7 +15,10 @@ Layout of a store directory::
     read.lock            held shared by readers; compaction takes it exclusively
 
 Keys are stored after RoPE at chunk-local positions; values as they are. bf16 has no
-zarr dtype: its bits are stored as uint16 and ``kv_dtype`` names the logical dtype.
+zarr dtype: its bits are stored as uint16 and ``kv_dtype`` names the logical dtype. An fp8
+store (``float8_e4m3fn``) keeps bytes (uint8): each (token, layer, K/V, kv_head) row is its
+head_dim e4m3 values, then its fp32 scale (4 bytes, little-endian), so the last axis is
+head_dim + 4 and a chunk is still one contiguous byte range (``pack_fp8_rows``).
 """
 
 from __future__ import annotations
@@ -50,9 +53,13 @@ SEGMENT_MARKER = "lazyrag-segment.json"
 SEGMENT_NAME = re.compile(r"seg-[0-9]{6,}-[0-9a-f]{8}")
 ATTRS_KEY = "lazyrag"
 
-KV_DTYPES = ("bfloat16", "float16", "float32")
-_STORAGE_NP = {"bfloat16": np.dtype("<u2"), "float16": np.dtype("<f2"), "float32": np.dtype("<f4")}
-_LOGICAL_TORCH = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+KV_DTYPES = ("bfloat16", "float16", "float32", "float8_e4m3fn")
+FP8_KV = "float8_e4m3fn"
+SCALE_BYTES = 4  # an fp8 row's fp32 scale, after its values
+_STORAGE_NP = {"bfloat16": np.dtype("<u2"), "float16": np.dtype("<f2"), "float32": np.dtype("<f4"),
+               FP8_KV: np.dtype("u1")}
+_LOGICAL_TORCH = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
+                  FP8_KV: torch.float8_e4m3fn}
 
 
 class StoreError(Exception):
@@ -94,14 +101,41 @@ def torch_dtype(kv_dtype: str) -> torch.dtype:
     return _LOGICAL_TORCH[kv_dtype]
 
 
+def rows_dtype(kv_dtype: str) -> torch.dtype:
+    """The torch dtype of a chunk's rows as read back: the logical dtype, or uint8 for fp8 rows
+    (values and scale packed)."""
+    return torch.uint8 if kv_dtype == FP8_KV else torch_dtype(kv_dtype)
+
+
+def kv_row_bytes(kv_dtype: str, num_layers: int, num_kv_heads: int, head_dim: int) -> int:
+    """Bytes of one token's KV in kv_dtype, on disk or in a page pool (fp8: scales included)."""
+    if kv_dtype == FP8_KV:
+        return num_layers * 2 * num_kv_heads * (head_dim + SCALE_BYTES)
+    return num_layers * 2 * num_kv_heads * head_dim * storage_dtype(kv_dtype).itemsize
+
+
 def kv_to_storage(kv: torch.Tensor) -> np.ndarray:
-    """A CPU tensor in a logical KV dtype -> the numpy array ``Store.append`` takes."""
+    """A CPU tensor of rows (a logical KV dtype, or packed fp8 rows) -> the numpy array ``Store.append`` takes."""
     kv = kv.detach().cpu().contiguous()
     if kv.dtype == torch.bfloat16:
         return kv.view(torch.int16).numpy().view(np.uint16)
-    if kv.dtype in (torch.float16, torch.float32):
+    if kv.dtype in (torch.float16, torch.float32, torch.uint8):
         return kv.numpy()
     raise StoreError(f"unsupported KV tensor dtype {kv.dtype}")
+
+
+def pack_fp8_rows(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """e4m3 values [..., head_dim] and their fp32 scales [...] -> the rows an fp8 store keeps:
+    uint8 [..., head_dim + 4], each row's values then its scale's bytes (on any device)."""
+    scale_bytes = scales.to(torch.float32).contiguous().view(torch.uint8).view(*scales.shape, SCALE_BYTES)
+    return torch.cat([values.view(torch.uint8), scale_bytes], dim=-1)
+
+
+def unpack_fp8_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of :func:`pack_fp8_rows`: (e4m3 values [..., head_dim], fp32 scales [...])."""
+    values = rows[..., :-SCALE_BYTES].view(torch.float8_e4m3fn)
+    scales = rows[..., -SCALE_BYTES:].contiguous().view(torch.float32).squeeze(-1)
+    return values, scales
 
 
 @dataclass(frozen=True)
@@ -110,7 +144,7 @@ class StoreSettings:
 
     model: str  # display name, e.g. "smollm2-135m"
     fingerprint: str  # model fingerprint (hex)
-    kv_dtype: str  # logical dtype: "bfloat16" | "float16" | "float32"
+    kv_dtype: str  # logical dtype: "bfloat16" | "float16" | "float32" | "float8_e4m3fn"
     num_layers: int
     num_kv_heads: int
     head_dim: int
@@ -172,13 +206,15 @@ class StoreSettings:
 
     @property
     def row_shape(self) -> tuple[int, int, int, int]:
-        """The shape of one token's KV: [num_layers, 2, num_kv_heads, head_dim]."""
-        return (self.num_layers, 2, self.num_kv_heads, self.head_dim)
+        """The shape of one token's KV as stored: [num_layers, 2, num_kv_heads, head_dim], with
+        head_dim + 4 on the last axis for fp8 (the row's scale after its values)."""
+        last = self.head_dim + (SCALE_BYTES if self.kv_dtype == FP8_KV else 0)
+        return (self.num_layers, 2, self.num_kv_heads, last)
 
     @property
     def row_bytes(self) -> int:
         """Bytes of one token's KV on disk."""
-        return int(np.prod(self.row_shape)) * storage_dtype(self.kv_dtype).itemsize
+        return kv_row_bytes(self.kv_dtype, self.num_layers, self.num_kv_heads, self.head_dim)
 
     def padded(self, length: int) -> int:
         """``length`` tokens rounded up to whole pages."""
@@ -256,7 +292,8 @@ def root_attributes(settings: StoreSettings) -> dict:
         "compat_key": settings.compat_key(),
         "created": timestamp(),
         "lazyrag_version": _lazyrag_version(),
-        "kv_layout": ["token", "layer", "kv", "kv_head", "head_dim"],
+        "kv_layout": ["token", "layer", "kv", "kv_head",
+                      "head_dim e4m3 values + fp32 scale" if settings.kv_dtype == FP8_KV else "head_dim"],
         "kv_storage_dtype": str(storage_dtype(settings.kv_dtype)),
     }
 

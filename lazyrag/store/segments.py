@@ -1,6 +1,7 @@
 """Segment files: each append's KV as one zarr v3 array, written whole and made durable, and
-read back one chunk at a time, with one read (a pread, or a ranged GET on object storage) when the
-segment has the layout written here, each read checked against the chunk's checksum.
+read back one chunk at a time, as one byte range (preads, or ranged GETs on object storage, split
+into pieces read in parallel: parallel_reads.py) when the segment has the layout written here, each
+read checked against the chunk's checksum.
 
 A segment's directory gets its marker file (the store's id) before any data, so a segment
 left behind by a crash is recognisably this store's and nothing else is ever taken for one."""
@@ -21,8 +22,10 @@ import zarr
 from zarr.codecs import BytesCodec, ShardingCodec
 
 from .catalog import ChunkInfo
-from .format import SEGMENT_MARKER, SEGMENTS, ChunkReadError, StoreError, StoreSettings, checksum, torch_dtype
+from .file_writes import write_new_file
+from .format import SEGMENT_MARKER, SEGMENTS, ChunkReadError, StoreError, StoreSettings, checksum, rows_dtype
 from .location import StoreURL
+from .parallel_reads import ParallelReads, shared_reads
 
 
 def fsync_path(path: Path) -> None:
@@ -101,7 +104,7 @@ def write_segment(root: Path, settings: StoreSettings, data: np.ndarray, seq: in
     """Write ``data`` as segment number ``seq`` of the store at ``root``, durable; return its name.
 
     zarr writes the array's metadata; the shard file is written here in the sharding codec's own
-    layout (the pages, then the index), straight from ``data`` with no intermediate copies: zarr's
+    layout (the pages, then the index), straight from ``data`` to the disk (file_writes.py): zarr's
     own encoder copies every page twice.
     """
     name = segment_name(seq)
@@ -111,16 +114,7 @@ def write_segment(root: Path, settings: StoreSettings, data: np.ndarray, seq: in
     arr = zarr.create_array(store=str(root), name=f"{SEGMENTS}/{name}", **segment_array(settings, data))
     shard = arr_dir / arr.metadata.encode_chunk_key((0,) * data.ndim)
     shard.parent.mkdir(parents=True, exist_ok=True)
-    index = shard_index(settings, data.shape[0])
-    fd = os.open(shard, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    try:
-        for part in (memoryview(data).cast("B"), memoryview(index).cast("B")):
-            done = 0
-            while done < len(part):
-                done += os.write(fd, part[done:])
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    write_new_file(shard, [np.ascontiguousarray(data), shard_index(settings, data.shape[0])])
     fsync_tree(arr_dir)
     fsync_path(root / SEGMENTS)
     return name
@@ -152,7 +146,7 @@ class SegmentFiles(Protocol):
 
 
 class LocalFiles:
-    """Segment files in a store directory: one pread per read, on a descriptor kept open."""
+    """Segment files in a store directory: preads on a descriptor kept open."""
 
     def __init__(self, root: Path):
         self.root = root
@@ -190,17 +184,20 @@ class _Segment:
     file: Path | str  # the shard file holding the whole segment
     data_start: int  # byte offset of row 0 in that file, when rows are contiguous
     contiguous: bool
-    handle: Any = None  # open while the segment is read with one read per chunk
+    handle: Any = None  # open while the segment's chunks are read as byte ranges
 
 
 class SegmentReader:
     """Reads chunks' KV from the segments of the store at ``root``; keeps each segment's file open.
-    ``files``: where the segment files are (default: the store directory ``root``)."""
+    ``files``: where the segment files are (default: the store directory ``root``); ``reads``: the
+    threads a chunk's pieces are read on (default: the process's, ``shared_reads()``)."""
 
-    def __init__(self, root: Path | StoreURL, settings: StoreSettings, files: SegmentFiles | None = None):
+    def __init__(self, root: Path | StoreURL, settings: StoreSettings, files: SegmentFiles | None = None,
+                 reads: ParallelReads | None = None):
         self.root = root
         self.settings = settings
         self._files = files if files is not None else LocalFiles(root)
+        self._reads = reads
         self._row_bytes = settings.row_bytes
         self._segments: dict[str, _Segment] = {}
         self._lock = threading.Lock()
@@ -231,14 +228,15 @@ class SegmentReader:
 
     def read_kv(self, chunk: ChunkInfo, out: torch.Tensor | None = None) -> torch.Tensor:
         """A chunk's KV: ``[padded_length, num_layers, 2, num_kv_heads, head_dim]`` in
-        the logical dtype (K rotated at chunk-local positions, then V). Rows past
+        the logical dtype, or packed fp8 rows (``rows_dtype``, ``row_shape``) (K rotated at
+        chunk-local positions, then V). Rows past
         ``length`` are padding, as the writer gave them. With ``out`` (a contiguous CPU tensor of that
         shape and dtype, e.g. pinned memory) the data is read into it and it is returned.
         Safe to call from several threads.
         """
         s = self.settings
         shape = (chunk.padded_length, *s.row_shape)
-        dtype = torch_dtype(s.kv_dtype)
+        dtype = rows_dtype(s.kv_dtype)
         if out is None:
             out = torch.empty(shape, dtype=dtype)
         elif tuple(out.shape) != shape or out.dtype != dtype or out.device.type != "cpu" or not out.is_contiguous():
@@ -250,12 +248,15 @@ class SegmentReader:
         try:
             seg = self._segment(chunk.segment)
             if seg.contiguous and seg.handle is not None:
-                self._files.read_into(seg.handle, memoryview(buf), seg.data_start + chunk.offset * self._row_bytes)
+                reads = self._reads or shared_reads()
+                got = reads.read(lambda view, offset: self._files.read_into(seg.handle, view, offset),
+                                 memoryview(buf), seg.data_start + chunk.offset * self._row_bytes)
             else:
                 buf[:] = self._read_through_zarr(chunk)
+                got = checksum(buf) if chunk.checksum is not None else None
         except StoreError as e:
             raise self._read_error(chunk, str(e)) from None
-        if chunk.checksum is not None and (got := checksum(buf)) != chunk.checksum:
+        if chunk.checksum is not None and got != chunk.checksum:
             raise self._read_error(chunk, f"its checksum does not match (stored {chunk.checksum:#010x}, "
                                           f"read {got:#010x}): the data on disk changed", corrupt=True)
         return out

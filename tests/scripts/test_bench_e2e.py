@@ -45,5 +45,19 @@ def test_bench_e2e_batch_sweep_with_recompute(tmp_path):
         (m, f, b) for m, f in (("lazy", 0.0), ("full", 0.0), ("lazy", 0.2), ("block", 0.2)) for b in (2, 4)]
     assert all(r["requests"] == (3 if r["mode"] == "full" else 6) for r in rows)
     assert all(r["page_size"] == 32 for r in rows)
-    assert "| tiny | 32 | block | 0.2 head |" in run.stdout
+    assert "| tiny | 32 | cold | block | 0.2 head |" in run.stdout
     assert list((tmp_path / "tmp").glob("lazyrag-e2e-*")) == []
+
+
+def test_bench_e2e_host_tier_rows(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["OUT"] = str(tmp_path / "out")
+    cmd = [sys.executable, str(ROOT / "scripts" / "bench_e2e.py"), "--models", "random:tiny", "--docs", "8",
+           "--doc-tokens", "64", "--requests", "6", "--batch-size", "3", "--cache-gb", "0.5", "--skip-full",
+           "--host-tier", "5"]
+    run = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    without, with_tier = json.loads((tmp_path / "out" / "bench_e2e.json").read_text())["results"][0]["host_tier"]
+    assert without["cache_gb"] == with_tier["cache_gb"] and without["host_cache_gb"] == 0 < with_tier["host_cache_gb"]
+    assert without["host_hits"] == 0 < with_tier["host_hits"]  # misses the small GPU cache evicted come back
+    assert "**ratio** host tier" in run.stdout and "read wait share" in run.stdout

@@ -23,17 +23,22 @@ def chunk(chunk_id: str, length: int) -> ChunkInfo:
 
 
 class FakeLoader:
-    """Moves no bytes: records each load and prefetch, and fails the loads it is told to."""
+    """Moves no bytes: records each load and prefetch, fails the loads it is told to, and says
+    the chunks in `in_flight` are still being read."""
 
     def __init__(self):
         self.loads: list[tuple[str, list[int]]] = []
         self.prefetched: list[str] = []
         self.failing: set[str] = set()
+        self.in_flight: set[str] = set()
         self.report = LoadReport(bytes_read=10, bytes_to_gpu=10)
         self.closed = False
 
     def prefetch(self, infos: list[ChunkInfo]) -> None:
         self.prefetched += [info.chunk_id for info in infos]
+
+    def reading(self, chunk_id: str) -> bool:
+        return chunk_id in self.in_flight
 
     def load(self, info: ChunkInfo, pages: list[int]) -> LoadReport:
         if info.chunk_id in self.failing:

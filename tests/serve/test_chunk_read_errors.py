@@ -36,6 +36,9 @@ class UnreadableLoader:
     def prefetch(self, infos: list[ChunkInfo]) -> None:
         pass
 
+    def reading(self, chunk_id: str) -> bool:
+        return False
+
     def load(self, info: ChunkInfo, pages: list[int]) -> LoadReport:
         if info.chunk_id in self.unreadable:
             raise ChunkReadError(f"chunk {info.chunk_id} (segment {info.segment}) cannot be read", info.chunk_id,

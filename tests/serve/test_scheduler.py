@@ -129,3 +129,19 @@ def test_an_idle_scheduler_waits_between_polls_of_an_open_stream():
     step = sched.schedule()  # nothing waiting or running: waits for the stream instead of ending
     assert [s.id for s in step.batch] == ["late"]
     assert all(b - a >= OPEN_STREAM_POLL_S for a, b in zip(polls, polls[1:]))
+
+
+def test_while_others_run_a_request_waits_for_its_chunks_still_being_read():
+    seqs = [sequence("1", [A], QUESTION, 2), sequence("2", [B], QUESTION, 2), sequence("3", [C], QUESTION, 2)]
+    sched, _, loader = setup(32, seqs)
+    loader.in_flight = {"a", "b"}
+    step = sched.schedule()
+    # nothing else could run, so 1 is admitted (its load waits for a); 2 waits for b, 3 keeps its place
+    assert step.prefill and [s.id for s in step.batch] == ["1"]
+    step = sched.schedule()
+    assert not step.prefill and [s.id for s in step.batch] == ["1"]  # b still in flight: the batch decodes
+    loader.in_flight = set()
+    step = sched.schedule()
+    assert step.prefill and [s.id for s in step.batch] == ["2", "3"]
+    assert loader.prefetched[:3] == ["a", "b", "c"]  # the look-ahead asks in arrival order
+

@@ -1,0 +1,194 @@
+"""Triton chunk-major attention: each shared page is read once per step for every request using it.
+
+One program takes one work item of a SharedPlan (a group's pages, or a split of them, and a
+tile of its row items) for one KV head (decode: the tile's rows are uses x the GQA group's
+query heads) or one query head (prefill: uses x question tokens, the questions of every
+request sharing the chunk stacked into one tile). A row of use u sits at query position m and
+reads the pages at u's shift: it is rotated once, by R(m - delta_u), before the page loop.
+Shared pages precede every query of their requests, so only the valid-length mask applies.
+Each program writes a normalised partial output and its log2-sum-exp per (row, split); the
+request kernels (decode.py, prefill.py) run over each request's remainder and hand their
+split partials to `merge_shared`, which merges both by log-sum-exp.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import decode, prefill, tuning
+from .page_loop import TL_DTYPE, logit_scales, needs_idx64, precision, query_at
+from .pages import PageTable, ape_enabled
+from .shared_plan import ITEM, PAGE, USE, WORK, SharedPlan
+from .splits import scratch
+
+
+@triton.jit
+def _shared_kernel(Q, K, V, SOP, SLSE, HEAD, WORK_, USE_, ITEM_, PAGE_, QPOS, INVF,
+                   stride_qt, stride_qh, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
+                   num_heads, qk_scale, ape_qk_scale, ape_bias,
+                   GROUP: tl.constexpr, PER_ITEM: tl.constexpr, DTYPE: tl.constexpr, PS: tl.constexpr,
+                   HALF: tl.constexpr, BLOCK_M: tl.constexpr, PREC: tl.constexpr, IDX64: tl.constexpr,
+                   APE: tl.constexpr, NW: tl.constexpr, NU: tl.constexpr, NI: tl.constexpr, NP: tl.constexpr):
+    w = tl.program_id(0)
+    # a CUDA graph launches the plan's capacity: programs past its work items exit at once
+    if w < tl.load(HEAD):
+        ax = tl.program_id(1)  # a KV head (decode) or a query head (prefill)
+        work = WORK_ + w * NW
+        item_lo = tl.load(work)
+        item_hi = tl.load(work + 1)
+        p_lo = tl.load(work + 2)
+        p_hi = tl.load(work + 3)
+        sp = tl.load(work + 4)
+        r = tl.arange(0, BLOCK_M)
+        item = item_lo + r // PER_ITEM
+        rmask = item < item_hi
+        head = ax * PER_ITEM + r % PER_ITEM
+        kvh = (ax * PER_ITEM) // GROUP
+        tok = tl.load(ITEM_ + item * NI, mask=rmask, other=0)
+        use = tl.load(ITEM_ + item * NI + 1, mask=rmask, other=0)
+        part = tl.load(ITEM_ + item * NI + 2, mask=rmask, other=0)
+        d = tl.load(USE_ + use * NU + 1, mask=rmask, other=0)
+        u_lo = tl.load(USE_ + use * NU + 3, mask=rmask, other=0)
+        u_hi = tl.load(USE_ + use * NU + 4, mask=rmask, other=0)
+        qpos = tl.load(QPOS + tok, mask=rmask, other=0)
+        offs_n = tl.arange(0, PS)
+        offs_d = tl.arange(0, 2 * HALF)
+        invf = tl.load(INVF + tl.arange(0, HALF))
+        q = query_at(Q + tok.to(tl.int64) * stride_qt + head * stride_qh, rmask, qpos, d, invf, HALF, DTYPE)
+        row_scale = tl.zeros([BLOCK_M], dtype=tl.float32) + qk_scale
+        row_bias = tl.zeros([BLOCK_M], dtype=tl.float32)
+        if APE:
+            in_ape = tl.load(USE_ + use * NU + 2, mask=rmask, other=0) != 0
+            row_scale = tl.where(in_ape, ape_qk_scale, qk_scale)
+            row_bias = tl.where(in_ape, ape_bias, 0.0)
+        # rows whose use covers every page of the work need no per-row page mask
+        lo_max = tl.max(tl.where(rmask, u_lo, -1), axis=0)
+        hi_min = tl.min(tl.where(rmask, u_hi, 2147483647), axis=0)
+        acc = tl.zeros([BLOCK_M, 2 * HALF], dtype=tl.float32)
+        m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for p in range(p_lo, p_hi):
+            pid = tl.load(PAGE_ + p * NP)
+            n_valid = tl.load(PAGE_ + p * NP + 2)
+            if IDX64:
+                pid = pid.to(tl.int64)
+            k = tl.load(K + pid * stride_kp + kvh * stride_kh + offs_n[:, None] * stride_kt + offs_d[None, :])
+            s = tl.dot(q, tl.trans(k), input_precision=PREC) * row_scale[:, None]
+            if APE:
+                s = s + row_bias[:, None]
+            if (n_valid < PS) | (p < lo_max) | (p >= hi_min):
+                keep = (offs_n < n_valid)[None, :] & ((p >= u_lo) & (p < u_hi))[:, None]
+                s = tl.where(keep, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp2(m_i - m_new)
+            pr = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(pr, axis=1)
+            # padding rows are read whole: their weights are 0 and the pool holds finite values
+            v = tl.load(V + pid * stride_vp + kvh * stride_vh + offs_n[:, None] * stride_vt + offs_d[None, :])
+            acc = acc * alpha[:, None]
+            acc = tl.dot(pr.to(DTYPE), v, acc, input_precision=PREC)
+            m_i = m_new
+        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+        prow = (part + sp).to(tl.int64) * num_heads + head
+        tl.store(SOP + prow[:, None] * (2 * HALF) + offs_d[None, :], o, mask=rmask[:, None])
+        tl.store(SLSE + prow, lse, mask=rmask)
+
+
+@triton.jit(do_not_specialize=["num_splits"])
+def _merge_shared_kernel(OP, LSE, SOP, SLSE, PART_PTR, O, stride_ot, stride_oh, num_heads, num_splits,
+                         D: tl.constexpr, SPLITS_P2: tl.constexpr):
+    # one program per (query token, head): the remainder's split partials and the token's shared rows
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, SPLITS_P2)
+    smask = offs_s < num_splits
+    offs_d = tl.arange(0, D)
+    base = (t.to(tl.int64) * num_heads + h) * num_splits
+    lse = tl.load(LSE + base + offs_s, mask=smask, other=float("-inf"))
+    r_lo = tl.load(PART_PTR + t)
+    r_hi = tl.load(PART_PTR + t + 1)
+    mx = tl.max(lse, axis=0)
+    for r in range(r_lo, r_hi):
+        mx = tl.maximum(mx, tl.load(SLSE + r * num_heads + h))  # partial rows: int32 offsets
+    mx_safe = tl.where(mx > float("-inf"), mx, 0.0)
+    w = tl.where(lse > float("-inf"), tl.exp2(lse - mx_safe), 0.0)
+    tot = tl.sum(w, axis=0)
+    op = tl.load(OP + (base + offs_s)[:, None] * D + offs_d[None, :], mask=smask[:, None], other=0.0)
+    o = tl.sum(op * w[:, None], axis=0)
+    for r in range(r_lo, r_hi):
+        row = r * num_heads + h
+        lr = tl.load(SLSE + row)
+        wr = tl.where(lr > float("-inf"), tl.exp2(lr - mx_safe), 0.0)
+        o += wr * tl.load(SOP + row * D + offs_d)
+        tot += wr
+    o = tl.where(tot > 0, o / tl.where(tot > 0, tot, 1.0), 0.0)
+    tl.store(O + t.to(tl.int64) * stride_ot + h * stride_oh + offs_d, o.to(O.dtype.element_ty))
+
+
+def launch_config(dtype: torch.dtype, num_heads: int, kv_heads: int, head_dim: int, page_size: int, *,
+                  decode: bool, block_m: int = 64, idx64: bool = False, ape: bool = False,
+                  num_warps: int | None = None, num_stages: int = 2) -> tuning.Launch:
+    """The chunk-major kernel as a launch of these shapes runs it."""
+    group = num_heads // kv_heads
+    constexprs = dict(GROUP=group, PER_ITEM=group if decode else 1, DTYPE=TL_DTYPE[dtype], PS=page_size,
+                      HALF=head_dim // 2, BLOCK_M=block_m, PREC=precision(dtype), IDX64=idx64, APE=ape,
+                      NW=WORK, NU=USE, NI=ITEM, NP=PAGE)
+    options = dict(num_warps=num_warps or (8 if block_m >= 128 else 4), num_stages=num_stages)
+    return tuning.Launch(_shared_kernel, constexprs, options)
+
+
+def _shared_partials(q, k_pages, v_pages, plan: SharedPlan, q_pos, inv_freq, sm_scale, ape_temperature, ape_scale,
+                     num_warps, num_stages):
+    """Run the chunk-major kernel: partial outputs [rows, H, D] and log2-sum-exps [rows, H]."""
+    H, D = q.shape[1], q.shape[2]
+    _, PS, Hkv, _ = k_pages.shape
+    rows = max(1, plan.layout.rows)
+    sop = scratch((rows, H, D), q.device)
+    slse = scratch((rows, H), q.device)
+    ape = ape_enabled(ape_temperature, ape_scale)
+    launch = launch_config(q.dtype, H, Hkv, D, PS, decode=plan.decode, block_m=plan.block_m,
+                           idx64=needs_idx64(k_pages, v_pages), ape=ape, num_warps=num_warps, num_stages=num_stages)
+    if plan.layout.works:
+        grid = (plan.layout.works, Hkv if plan.decode else H)
+        _shared_kernel[grid](q, k_pages, v_pages, sop, slse, plan.head, plan.work, plan.use, plan.item, plan.page,
+                             q_pos, inv_freq, q.stride(0), q.stride(1), k_pages.stride(0), k_pages.stride(1),
+                             k_pages.stride(2), v_pages.stride(0), v_pages.stride(1), v_pages.stride(2), H,
+                             *logit_scales(sm_scale, ape_temperature, ape_scale), **launch.constexprs,
+                             **launch.options)
+    return sop, slse
+
+
+def _merger(sop, slse, plan: SharedPlan):
+    """The request kernels' merge step: their split partials with the shared ones."""
+    def merge(op, lse, o, num_splits):
+        T, H, D = o.shape
+        _merge_shared_kernel[(T, H)](op, lse, sop, slse, plan.part_ptr, o, o.stride(0), o.stride(1), H, num_splits,
+                                     D=D, SPLITS_P2=triton.next_power_of_2(num_splits), num_warps=4)
+    return merge
+
+
+def shared_decode(q, k_pages, v_pages, pages: PageTable, plan: SharedPlan, q_pos, inv_freq, sm_scale,
+                  ape_temperature: float = 1.0, ape_scale: float = 1.0, num_splits: int | None = None,
+                  num_warps: int | None = None, num_stages: int = 2, out=None):
+    o = torch.empty_like(q) if out is None else out
+    if q.shape[0] == 0:
+        return o
+    sop, slse = _shared_partials(q, k_pages, v_pages, plan, q_pos, inv_freq, sm_scale, ape_temperature, ape_scale,
+                                 num_warps, num_stages)
+    return decode.lazy_decode(q, k_pages, v_pages, pages, q_pos, inv_freq, sm_scale, True, ape_temperature,
+                              ape_scale, num_splits=num_splits, out=o, merge=_merger(sop, slse, plan))
+
+
+def shared_prefill(q, k_pages, v_pages, pages: PageTable, plan: SharedPlan, cu_seqlens_q, q_pos, inv_freq, sm_scale,
+                   ape_temperature: float = 1.0, ape_scale: float = 1.0, max_seqlen_q: int | None = None,
+                   num_splits: int | None = None, num_warps: int | None = None, num_stages: int = 2, out=None):
+    o = torch.empty_like(q) if out is None else out
+    if q.shape[0] == 0 or pages.batch == 0:
+        return o
+    sop, slse = _shared_partials(q, k_pages, v_pages, plan, q_pos, inv_freq, sm_scale, ape_temperature, ape_scale,
+                                 num_warps, num_stages)
+    return prefill.lazy_prefill(q, k_pages, v_pages, pages, cu_seqlens_q, q_pos, inv_freq, sm_scale, True,
+                                ape_temperature, ape_scale, max_seqlen_q=max_seqlen_q, num_splits=num_splits, out=o,
+                                merge=_merger(sop, slse, plan))

@@ -1,0 +1,124 @@
+"""Chunk-major attention in the engine: lazy mode reads the pages its requests share once per
+step for all of them, with the same logits and the same greedy answers as reading them per
+request."""
+
+import pytest
+import torch
+from serve_stores import make_store, place, request
+
+from lazyrag import kernels
+from lazyrag.kernels import PlanLayout
+from lazyrag.models.prompt import PromptFormat
+from lazyrag.serve import Engine
+from lazyrag.serve.paged import PagedAttention, StepInputs, StepLayout, copy_step, pack_step
+from lazyrag.serve.recompute import Recompute
+from lazyrag.serve.sharing import ChunkMajor, graph_layout
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory, tiny):
+    return make_store(tmp_path_factory.mktemp("shared"), "random:tiny", chunk_tokens=24)
+
+
+def requests(store, tiny):
+    """Chunks shared at different offsets, one read twice by one request, one read by one request."""
+    fmt = PromptFormat(tiny.tokenizer)
+    return [request(store, fmt, "a", ["nile", "iron"], "How long is the Nile?"),
+            request(store, fmt, "b", ["iron", "nile", "bach"], "Who was born in Eisenach?"),
+            request(store, fmt, "c", ["tokyo"], "When?"),
+            request(store, fmt, "d", ["iron", "iron"], "Which symbol?")]
+
+
+@pytest.fixture
+def shared_calls(monkeypatch):
+    """How often the engine ran the chunk-major kernels."""
+    calls = {"prefill": 0, "decode": 0}
+    for step in calls:
+        kernel = getattr(kernels, f"shared_{step}")
+
+        def counted(*args, _kernel=kernel, _step=step, **kw):
+            calls[_step] += 1
+            return _kernel(*args, **kw)
+        monkeypatch.setattr(kernels, f"shared_{step}", counted)
+    return calls
+
+
+@pytest.mark.parametrize("options", [dict(), dict(ape=(0.8, 1.5))], ids=["plain", "ape"])
+def test_lazy_answers_are_the_same_with_and_without_chunk_major(tiny, store, shared_calls, options):
+    answers = {}
+    for shared in (True, False):
+        engine = Engine(tiny, store, "lazy", cache_bytes=8 << 20, batch_size=4, stop_at_eos=False,
+                        shared_attention=shared, **options)
+        got = answers[shared] = {}
+        engine.run(requests(store, tiny), lambda seq, got=got: got.__setitem__(seq.id, seq.generated))
+        engine.close()
+        if shared:
+            assert shared_calls["prefill"] and shared_calls["decode"]
+            calls = dict(shared_calls)
+    assert shared_calls == calls  # none without it
+    assert answers[True] == answers[False] and len(answers[True]) == 4
+
+
+def test_teacher_forced_logits_are_the_same_with_and_without_chunk_major(tiny, store, shared_calls):
+    reqs = requests(store, tiny)
+    continuations = [[5, 9, 11], [7], [3, 3], [12, 40]]
+    logits = [Engine(tiny, store, "lazy", cache_bytes=8 << 20, batch_size=4, shared_attention=shared,
+                     recompute=Recompute(0.3)).teacher_forced_logits(reqs, continuations) for shared in (True, False)]
+    assert shared_calls["prefill"]
+    # within fp32 rounding, not bit-equal: which requests share a step (so the shapes of the
+    # model's matmuls) depends on when their chunk reads finish
+    for a, b in zip(*logits):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_chunk_major_kernels_in_the_engine_interp(tiny, store, shared_calls):
+    """The Triton kernels (under the interpreter) in a lazy run: prefill and decode steps of two
+    requests that share both their chunks give the reference path's answers."""
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present: Triton is compiled, and the GPU tests cover the engine")
+    fmt = PromptFormat(tiny.tokenizer)
+    reqs = [request(store, fmt, "a", ["nile", "iron"], "How long is the Nile?", max_new_tokens=2),
+            request(store, fmt, "b", ["iron", "nile"], "Who?", max_new_tokens=2)]
+    answers = []
+    for backend, shared in (("reference", False), ("triton", True)):
+        with kernels.cpu_backend(backend):
+            engine = Engine(tiny, store, "lazy", cache_bytes=8 << 20, batch_size=4, stop_at_eos=False,
+                            shared_attention=shared)
+            got = {}
+            engine.run(reqs, lambda seq, got=got: got.__setitem__(seq.id, seq.generated))
+            answers.append(got)
+    assert shared_calls["prefill"] and shared_calls["decode"]
+    assert answers[0] == answers[1]
+
+
+@pytest.mark.parametrize("fits", [True, False])
+def test_decode_graph_step_matches_the_plain_step(tiny, store, fits):
+    """What a CUDA graph replays with chunk-major attention, checked on the CPU: the remainder
+    feeds padded into a wider table, with the batch's plan in a static plan of fixed capacity
+    (or, where it does not fit, the whole feeds with the static plan emptied), give the plain
+    step's logits."""
+    engine = Engine(tiny, store, "lazy", cache_bytes=8 << 20, batch_size=4, shared_attention=False)
+    seqs = place(engine, requests(store, tiny)[:3])
+    for seq, token in zip(seqs, engine.runner.prefill(seqs).argmax(-1).tolist()):
+        seq.generated.append(token)
+    feeds = [seq.feed([seq.generated[-1]]) for seq in seqs]
+    plain = engine.runner.forward(feeds)
+    chunk_major = ChunkMajor(4, 2, 64, torch.device("cpu"))
+    width = max(len(f.rows) for f in feeds) + 7
+    layout = graph_layout(5, width) if fits else PlanLayout(works=1, uses=1, items=1, pages=1, tokens=5, rows=1)
+    static = chunk_major.static_plan(layout)
+    static.buffer.fill_(7)  # the previous batch's plan
+    packed_feeds = chunk_major.graph_feeds(feeds, static)
+    assert (packed_feeds is feeds) != fits and (int(static.head[0]) > 0) == fits
+    host, packed = pack_step(packed_feeds, engine.pool.page_size, batch=5,
+                             pad_slot=engine.cache.alloc(1)[0] * engine.pool.page_size)
+    wide = StepLayout(5, width, 5)
+    buf = torch.full((wide.size,), 12345, dtype=torch.int32)
+    copy_step(host, packed, buf, wide)
+    step = StepInputs.on(buf, wide)
+    step.shared = static
+    model = tiny.model
+    hidden = model(step.tokens, step.positions, PagedAttention(engine.pool, step, model.inv_freq,
+                                                                engine.runner.sm_scale, True))
+    torch.testing.assert_close(model.logits(hidden)[:3, : engine.runner.vocab], plain, rtol=1e-5, atol=1e-5)
+    engine.close()
