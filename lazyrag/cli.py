@@ -225,7 +225,7 @@ def answer(
     shared_attention: bool = typer.Option(AnswerConfig.shared_attention, "--shared-attention/--no-shared-attention",
                                           help="lazy: each step reads the chunk pages its requests share once for "
                                                "all of them (chunk-major attention); --no-shared-attention reads "
-                                               "them per request (the same answers; for comparison)."),
+                                               "them per request (answers equal up to bf16 rounding; for comparison)."),
     audit: int = typer.Option(AnswerConfig.audit, min=0, metavar="N",
                               help="Answer a seeded sample of N queries also in full attention and record how far "
                                    "this mode is from it: identical answers, token F1 to full, mean KL(full || mode) "

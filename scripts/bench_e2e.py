@@ -134,6 +134,7 @@ def shared_check(kw: dict, loaded, store, prompts, questions, cache_gb: float, b
     logits, top-1 agreement), and the greedy answers of both. The control: block mode against the
     same (the same attention, keys rotated before they are rounded to bf16 rather than the
     query: what bf16 rounding alone moves through the model)."""
+    from lazyrag.eval.fidelity import top1_matches
     from lazyrag.serve import Engine, Request
 
     chunks = {d: store.doc_chunks(d) for d in {d for p in prompts for d in p}}
@@ -155,17 +156,10 @@ def shared_check(kw: dict, loaded, store, prompts, questions, cache_gb: float, b
         rel = [((a - b).norm() / b.norm()).item() for a, b in zip(logits[key], logits[False])]
         out.update({f"{name}logits_rel_err_max": round(max(rel), 5),
                     f"{name}logits_rel_err_mean": round(sum(rel) / len(rel), 5),
-                    f"{name}top1_agreement": round(torch_cat_equal(logits[key], logits[False]), 4),
+                    f"{name}top1_agreement": round(sum(int(top1_matches(b, a).sum()) for a, b in
+                                                       zip(logits[key], logits[False])) / out["tokens"], 4),
                     f"{name}identical_answers": sum(answers[key][r.id] == answers[False][r.id] for r in reqs) / len(reqs)})
     return out
-
-
-def torch_cat_equal(a: list, b: list) -> float:
-    """The share of rows whose argmax agrees, over two lists of [tokens, vocab] tensors."""
-    import torch
-
-    x, y = torch.cat(a), torch.cat(b)
-    return (x.argmax(-1) == y.argmax(-1)).float().mean().item()
 
 
 def batch_sweep(kw: dict, loaded, store, prompts, questions, cache_gb: float, args, model: str, save, out) -> list:

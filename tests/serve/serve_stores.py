@@ -37,3 +37,16 @@ def place(engine: Engine, requests: list[Request]) -> list[Sequence]:
     for seq in seqs:
         seq.placement = engine.mode.place(seq, engine.cache)
     return seqs
+
+
+def step_logits(loaded, store, mode, requests: list[Request], **engine_kw):
+    """The prefill logits of the requests' last prompt tokens, then a decode step's after each
+    takes its greedy token."""
+    engine = Engine(loaded, store, mode, cache_bytes=8 << 20, batch_size=4, **engine_kw)
+    seqs = place(engine, requests)
+    prefill = engine.runner.prefill(seqs)
+    for s, t in zip(seqs, prefill.argmax(-1).tolist()):
+        s.generated.append(t)
+    decode = engine.runner.decode(seqs)
+    engine.close()
+    return prefill, decode

@@ -4,7 +4,7 @@ request's step carries its chunk rows as its APE rows."""
 
 import pytest
 import torch
-from serve_stores import make_store, place, request
+from serve_stores import make_store, place, request, step_logits
 
 from lazyrag.models.prompt import PromptFormat
 from lazyrag.serve import Engine
@@ -22,19 +22,6 @@ def setup(tmp_path, tiny):
                 request(store, fmt, "2", ["bach", "tokyo", "nile"], "Q two?")]
 
     return tiny, store, reqs
-
-
-def step_logits(loaded, store, mode, reqs, **engine_kw) -> tuple[torch.Tensor, torch.Tensor]:
-    """The prefill logits of the requests' last prompt tokens, then a decode step's after each
-    takes its greedy token."""
-    engine = Engine(loaded, store, mode, cache_bytes=8 << 20, batch_size=4, **engine_kw)
-    seqs = place(engine, reqs)
-    prefill = engine.runner.prefill(seqs)
-    for s, t in zip(seqs, prefill.argmax(-1).tolist()):
-        s.generated.append(t)
-    decode = engine.runner.decode(seqs)
-    engine.close()
-    return prefill, decode
 
 
 @pytest.mark.parametrize("mode", ["lazy", "block", "full"])

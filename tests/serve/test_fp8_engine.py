@@ -4,7 +4,7 @@ block answer alike, and a model loaded for another KV dtype is refused."""
 
 import pytest
 import torch
-from serve_stores import make_store, place, request
+from serve_stores import make_store, request, step_logits
 
 from lazyrag import kernels
 from lazyrag.eval.fidelity import token_kl, top1_matches
@@ -65,23 +65,11 @@ def requests(loaded, store):
             request(store, fmt, "d", ["tokyo", "bach"], "When did Tokyo become the capital?")]
 
 
-def step_logits(loaded, store, mode) -> tuple[torch.Tensor, torch.Tensor]:
-    """The prefill logits of the requests' last prompt tokens, then a decode step's after each takes its
-    greedy token."""
-    engine = Engine(loaded, store, mode, cache_bytes=8 << 20, batch_size=4)
-    seqs = place(engine, requests(loaded, store))
-    prefill = engine.runner.prefill(seqs)
-    for s, t in zip(seqs, prefill.argmax(-1).tolist()):
-        s.generated.append(t)
-    decode = engine.runner.decode(seqs)
-    engine.close()
-    return prefill, decode
-
-
 def test_block_reads_what_lazy_reads_up_to_the_requantised_keys(fp8_store, tiny_fp8):
     """Block's private copies hold the keys rotated and quantised again: its logits stay within
     e4m3's rounding of lazy's, far closer than the gap from an fp32 store."""
-    lazy, block = step_logits(tiny_fp8, fp8_store, "lazy"), step_logits(tiny_fp8, fp8_store, "block")
+    reqs = requests(tiny_fp8, fp8_store)
+    lazy, block = (step_logits(tiny_fp8, fp8_store, mode, reqs) for mode in ("lazy", "block"))
     for got, want in zip(block, lazy):
         assert (got - want).abs().max() < 2e-3 * want.abs().max()
 
