@@ -62,32 +62,34 @@ def lazy_decode(q: Tensor, k_pages: Tensor, v_pages: Tensor, pages: PageTable, q
 
 def shared_prefill(q: Tensor, k_pages: Tensor, v_pages: Tensor, pages: PageTable, shared: SharedPlan,
                    cu_seqlens_q: Tensor, q_pos: Tensor, inv_freq: Tensor, sm_scale: float,
-                   ape_temperature: float = 1.0, ape_scale: float = 1.0, **tuning) -> Tensor:
+                   ape_temperature: float = 1.0, ape_scale: float = 1.0, k_scale: Tensor | None = None,
+                   v_scale: Tensor | None = None, **tuning) -> Tensor:
     """lazy_prefill chunk-major: `pages` is each request's remainder, `shared` the plan of the
     runs they share (docs/kernels.md, "Chunk-major attention")."""
-    check_attention(q, k_pages, v_pages, pages, inv_freq, ape_temperature, ape_scale)
+    check_attention(q, k_pages, v_pages, pages, inv_freq, ape_temperature, ape_scale, k_scale, v_scale)
     check_plan(shared, q, k_pages, decode=False)
     if cu_seqlens_q.dtype != torch.int32 or cu_seqlens_q.shape != (pages.batch + 1,):
         raise ValueError(f"cu_seqlens_q must be int32 [B+1] = [{pages.batch + 1}]")
     if q_pos.dtype != torch.int32 or q_pos.shape != (q.shape[0],):
         raise ValueError(f"q_pos must be int32 [total_q] = [{q.shape[0]}]")
     return implementation(q).shared_prefill(q, k_pages, v_pages, pages, shared, cu_seqlens_q, q_pos, inv_freq,
-                                            sm_scale, ape_temperature, ape_scale, **tuning)
+                                            sm_scale, ape_temperature, ape_scale, k_scale=k_scale, v_scale=v_scale,
+                                            **tuning)
 
 
 def shared_decode(q: Tensor, k_pages: Tensor, v_pages: Tensor, pages: PageTable, shared: SharedPlan, q_pos: Tensor,
                   inv_freq: Tensor, sm_scale: float, ape_temperature: float = 1.0, ape_scale: float = 1.0,
-                  **tuning) -> Tensor:
+                  k_scale: Tensor | None = None, v_scale: Tensor | None = None, **tuning) -> Tensor:
     """lazy_decode chunk-major: `pages` is each request's remainder, `shared` the plan of the
     runs they share (docs/kernels.md, "Chunk-major attention")."""
-    check_attention(q, k_pages, v_pages, pages, inv_freq, ape_temperature, ape_scale)
+    check_attention(q, k_pages, v_pages, pages, inv_freq, ape_temperature, ape_scale, k_scale, v_scale)
     check_plan(shared, q, k_pages, decode=True)
     if q.shape[0] != pages.batch:
         raise ValueError(f"q has {q.shape[0]} requests, the page table {pages.batch}")
     if q_pos.dtype != torch.int32 or q_pos.shape != (q.shape[0],):
         raise ValueError(f"q_pos must be int32 [B] = [{q.shape[0]}]")
     return implementation(q).shared_decode(q, k_pages, v_pages, pages, shared, q_pos, inv_freq, sm_scale,
-                                           ape_temperature, ape_scale, **tuning)
+                                           ape_temperature, ape_scale, k_scale=k_scale, v_scale=v_scale, **tuning)
 
 
 def rotate_copy(k_pages: Tensor, v_pages: Tensor, src: Tensor, dst: Tensor, delta: Tensor, inv_freq: Tensor,

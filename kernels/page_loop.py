@@ -1,7 +1,8 @@
-"""The key loop both attention kernels share: a request's pages walked one page per key block,
-with online softmax and the rotated query rebuilt where a page's delta changes. fp8 pages are
-converted to the query's dtype in registers, their scales applied to the scores (keys) and to
-the probabilities (values).
+"""The key loop both per-request attention kernels (decode.py, prefill.py) share: a request's pages
+walked one page per key block, with online softmax and the rotated query rebuilt where a page's
+delta changes. fp8 pages are converted to the query's dtype in registers, their scales applied
+to the scores (keys) and to the probabilities (values), by key_dot and value_dot, which the
+chunk-major kernel (shared_attention.py) uses too.
 
 Also the host-side values that pick its variant (dtype, dot precision, offset width) and its
 logit scales.
@@ -58,6 +59,27 @@ def query_at(qrows, qmask, qpos, d, invf, HALF: tl.constexpr, DTYPE: tl.constexp
 
 
 @triton.jit
+def key_dot(q, k, KS, pid, kvh, stride_ksp, stride_st, DTYPE: tl.constexpr, PS: tl.constexpr,
+            PREC: tl.constexpr, FP8: tl.constexpr):
+    """q . k against one page's keys k [PS, D] of KV head kvh. FP8: e4m3 keys converted to DTYPE
+    in registers, and (q . k8) * k_scale per key is q . k (scales KS [pages, PS, kv_heads])."""
+    qk = tl.dot(q, tl.trans(k.to(DTYPE)), input_precision=PREC)
+    if FP8:
+        qk = qk * tl.load(KS + pid * stride_ksp + tl.arange(0, PS) * stride_st + kvh)[None, :]
+    return qk
+
+
+@triton.jit
+def value_dot(acc, pr, v, VS, pid, kvh, stride_vsp, stride_st, DTYPE: tl.constexpr, PS: tl.constexpr,
+              PREC: tl.constexpr, FP8: tl.constexpr):
+    """acc + pr . v for one page's values v [PS, D] of KV head kvh. FP8: pr * v_scale per key
+    before the dot is pr . v, so no dequantised page is ever built."""
+    if FP8:
+        pr = pr * tl.load(VS + pid * stride_vsp + tl.arange(0, PS) * stride_st + kvh)[None, :]
+    return tl.dot(pr.to(DTYPE), v.to(DTYPE), acc, input_precision=PREC)
+
+
+@triton.jit
 def page_step(q, p, d, qpos, qmin, acc, m_i, l_i, K, V, KS, VS, ids_row, start_row, len_row, kvh,
               stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, stride_ksp, stride_vsp,
               stride_st, qk_scale, ape_lo, ape_hi, ape_qk_scale, ape_bias,
@@ -65,8 +87,8 @@ def page_step(q, p, d, qpos, qmin, acc, m_i, l_i, K, V, KS, VS, ids_row, start_r
               PREC: tl.constexpr, IDX64: tl.constexpr, TMA: tl.constexpr, APE: tl.constexpr, FP8: tl.constexpr):
     """Online softmax over page entry p (of delta d): one key block of PS keys. APE: entries
     ape_lo <= p < ape_hi take ape_qk_scale and ape_bias (logit_scales). FP8: the page's rows
-    carry scales KS, VS [pages, PS, kv_heads] (token stride stride_st): (q . k8) * k_scale is
-    q . k, and p * v_scale before the dot is p . v, so no dequantised page is ever built."""
+    carry scales KS, VS [pages, PS, kv_heads] (token stride stride_st), applied by key_dot and
+    value_dot."""
     offs_n = tl.arange(0, PS)
     offs_d = tl.arange(0, 2 * HALF)
     pid = tl.load(ids_row + p)
@@ -78,9 +100,7 @@ def page_step(q, p, d, qpos, qmin, acc, m_i, l_i, K, V, KS, VS, ids_row, start_r
         k = K.load([pid * PS, kvh * (2 * HALF)])
     else:
         k = tl.load(K + pid * stride_kp + kvh * stride_kh + offs_n[:, None] * stride_kt + offs_d[None, :])
-    qk = tl.dot(q, tl.trans(k.to(DTYPE)), input_precision=PREC)
-    if FP8:
-        qk = qk * tl.load(KS + pid * stride_ksp + offs_n * stride_st + kvh)[None, :]
+    qk = key_dot(q, k, KS, pid, kvh, stride_ksp, stride_st, DTYPE, PS, PREC, FP8)
     if APE:
         in_ape = (p >= ape_lo) & (p < ape_hi)
         s = qk * tl.where(in_ape, ape_qk_scale, qk_scale)
@@ -101,12 +121,7 @@ def page_step(q, p, d, qpos, qmin, acc, m_i, l_i, K, V, KS, VS, ids_row, start_r
         v = V.load([pid * PS, kvh * (2 * HALF)])
     else:
         v = tl.load(V + pid * stride_vp + kvh * stride_vh + offs_n[:, None] * stride_vt + offs_d[None, :])
-    acc = acc * alpha[:, None]
-    if FP8:
-        pv = pr * tl.load(VS + pid * stride_vsp + offs_n * stride_st + kvh)[None, :]
-    else:
-        pv = pr
-    acc = tl.dot(pv.to(DTYPE), v.to(DTYPE), acc, input_precision=PREC)
+    acc = value_dot(acc * alpha[:, None], pr, v, VS, pid, kvh, stride_vsp, stride_st, DTYPE, PS, PREC, FP8)
     return acc, m_new, l_i
 
 

@@ -183,15 +183,16 @@ def rotate_copy(k_pages: Tensor, v_pages: Tensor, src: Tensor, dst: Tensor, delt
 
 def shared_prefill(q: Tensor, k_pages: Tensor, v_pages: Tensor, pages: PageTable, plan: SharedPlan,
                    cu_seqlens_q: Tensor, q_pos: Tensor, inv_freq: Tensor, sm_scale: float,
-                   ape_temperature: float = 1.0, ape_scale: float = 1.0, **_unused) -> Tensor:
+                   ape_temperature: float = 1.0, ape_scale: float = 1.0, k_scale: Tensor | None = None,
+                   v_scale: Tensor | None = None, **_unused) -> Tensor:
     """Chunk-major prefill, the same math: each request's whole table rebuilt from its remainder
     and the plan's shared runs."""
     return lazy_prefill(q, k_pages, v_pages, full_table(pages, plan), cu_seqlens_q, q_pos, inv_freq, sm_scale, True,
-                        ape_temperature, ape_scale)
+                        ape_temperature, ape_scale, k_scale, v_scale)
 
 
 def shared_decode(q: Tensor, k_pages: Tensor, v_pages: Tensor, pages: PageTable, plan: SharedPlan, q_pos: Tensor,
                   inv_freq: Tensor, sm_scale: float, ape_temperature: float = 1.0, ape_scale: float = 1.0,
-                  **_unused) -> Tensor:
+                  k_scale: Tensor | None = None, v_scale: Tensor | None = None, **_unused) -> Tensor:
     return lazy_decode(q, k_pages, v_pages, full_table(pages, plan), q_pos, inv_freq, sm_scale, True, ape_temperature,
-                       ape_scale)
+                       ape_scale, k_scale, v_scale)

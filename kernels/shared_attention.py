@@ -1,11 +1,13 @@
 """Triton chunk-major attention: each shared page is read once per step for every request using it.
 
 One program takes one work item of a SharedPlan (a group's pages, or a split of them, and a
-tile of its row items) for one KV head (decode: the tile's rows are uses x the GQA group's
-query heads) or one query head (prefill: uses x question tokens, the questions of every
-request sharing the chunk stacked into one tile). A row of use u sits at query position m and
+tile of its row items) for one KV head (a grouped plan: the tile's rows are uses x tokens x the
+GQA group's query heads, so a page is loaded once for the group) or one query head (uses x
+tokens). In prefill the questions of every request sharing the chunk stack into one tile,
+which also gives short questions full tensor-core tiles. A row of use u sits at query position m and
 reads the pages at u's shift: it is rotated once, by R(m - delta_u), before the page loop.
 Shared pages precede every query of their requests, so only the valid-length mask applies.
+fp8 pages are read as the request kernels read them (page_loop.key_dot, value_dot).
 Each program writes a normalised partial output and its log2-sum-exp per (row, split); the
 request kernels (decode.py, prefill.py) run over each request's remainder and hand their
 split partials to `merge_shared`, which merges both by log-sum-exp.
@@ -17,19 +19,22 @@ import triton
 import triton.language as tl
 
 from . import decode, prefill, tuning
-from .page_loop import TL_DTYPE, logit_scales, needs_idx64, precision, query_at
+from .fp8 import FP8
+from .page_loop import TL_DTYPE, key_dot, logit_scales, needs_idx64, precision, query_at, scale_args, value_dot
 from .pages import PageTable, ape_enabled
 from .shared_plan import ITEM, PAGE, USE, WORK, SharedPlan
 from .splits import scratch
 
 
 @triton.jit
-def _shared_kernel(Q, K, V, SOP, SLSE, HEAD, WORK_, USE_, ITEM_, PAGE_, QPOS, INVF,
+def _shared_kernel(Q, K, V, KS, VS, SOP, SLSE, HEAD, WORK_, USE_, ITEM_, PAGE_, QPOS, INVF,
                    stride_qt, stride_qh, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
-                   num_heads, qk_scale, ape_qk_scale, ape_bias,
+                   stride_ksp, stride_vsp, stride_st, num_heads, qk_scale, ape_qk_scale, ape_bias,
                    GROUP: tl.constexpr, PER_ITEM: tl.constexpr, DTYPE: tl.constexpr, PS: tl.constexpr,
                    HALF: tl.constexpr, BLOCK_M: tl.constexpr, PREC: tl.constexpr, IDX64: tl.constexpr,
-                   APE: tl.constexpr, NW: tl.constexpr, NU: tl.constexpr, NI: tl.constexpr, NP: tl.constexpr):
+                   APE: tl.constexpr, FP8: tl.constexpr, NW: tl.constexpr, NU: tl.constexpr, NI: tl.constexpr,
+                   NP: tl.constexpr):
+    # FP8 (compiled out unless set): e4m3 pages with their row scales KS, VS, as page_loop reads them
     w = tl.program_id(0)
     # a CUDA graph launches the plan's capacity: programs past its work items exit at once
     if w < tl.load(HEAD):
@@ -74,7 +79,7 @@ def _shared_kernel(Q, K, V, SOP, SLSE, HEAD, WORK_, USE_, ITEM_, PAGE_, QPOS, IN
             if IDX64:
                 pid = pid.to(tl.int64)
             k = tl.load(K + pid * stride_kp + kvh * stride_kh + offs_n[:, None] * stride_kt + offs_d[None, :])
-            s = tl.dot(q, tl.trans(k), input_precision=PREC) * row_scale[:, None]
+            s = key_dot(q, k, KS, pid, kvh, stride_ksp, stride_st, DTYPE, PS, PREC, FP8) * row_scale[:, None]
             if APE:
                 s = s + row_bias[:, None]
             if (n_valid < PS) | (p < lo_max) | (p >= hi_min):
@@ -86,8 +91,7 @@ def _shared_kernel(Q, K, V, SOP, SLSE, HEAD, WORK_, USE_, ITEM_, PAGE_, QPOS, IN
             l_i = l_i * alpha + tl.sum(pr, axis=1)
             # padding rows are read whole: their weights are 0 and the pool holds finite values
             v = tl.load(V + pid * stride_vp + kvh * stride_vh + offs_n[:, None] * stride_vt + offs_d[None, :])
-            acc = acc * alpha[:, None]
-            acc = tl.dot(pr.to(DTYPE), v, acc, input_precision=PREC)
+            acc = value_dot(acc * alpha[:, None], pr, v, VS, pid, kvh, stride_vsp, stride_st, DTYPE, PS, PREC, FP8)
             m_i = m_new
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
@@ -98,49 +102,59 @@ def _shared_kernel(Q, K, V, SOP, SLSE, HEAD, WORK_, USE_, ITEM_, PAGE_, QPOS, IN
 
 @triton.jit(do_not_specialize=["num_splits"])
 def _merge_shared_kernel(OP, LSE, SOP, SLSE, PART_PTR, O, stride_ot, stride_oh, num_heads, num_splits,
-                         D: tl.constexpr, SPLITS_P2: tl.constexpr):
-    # one program per (query token, head): the remainder's split partials and the token's shared rows
+                         D: tl.constexpr, SPLITS_P2: tl.constexpr, ROWS: tl.constexpr):
+    # one program per (query token, head): the remainder's split partials, then the token's shared
+    # rows ROWS at a time in one pass with a running max (one round of loads for a token's usual
+    # 5-30 rows: the merge is latency-bound, not bandwidth-bound)
     t = tl.program_id(0)
     h = tl.program_id(1)
     offs_s = tl.arange(0, SPLITS_P2)
     smask = offs_s < num_splits
     offs_d = tl.arange(0, D)
+    offs_r = tl.arange(0, ROWS)
     base = (t.to(tl.int64) * num_heads + h) * num_splits
-    lse = tl.load(LSE + base + offs_s, mask=smask, other=float("-inf"))
     r_lo = tl.load(PART_PTR + t)
     r_hi = tl.load(PART_PTR + t + 1)
-    mx = tl.max(lse, axis=0)
-    for r in range(r_lo, r_hi):
-        mx = tl.maximum(mx, tl.load(SLSE + r * num_heads + h))  # partial rows: int32 offsets
-    mx_safe = tl.where(mx > float("-inf"), mx, 0.0)
-    w = tl.where(lse > float("-inf"), tl.exp2(lse - mx_safe), 0.0)
-    tot = tl.sum(w, axis=0)
+    lse = tl.load(LSE + base + offs_s, mask=smask, other=float("-inf"))
     op = tl.load(OP + (base + offs_s)[:, None] * D + offs_d[None, :], mask=smask[:, None], other=0.0)
+    m = tl.max(lse, axis=0)
+    m_safe = tl.where(m > float("-inf"), m, 0.0)
+    w = tl.where(lse > float("-inf"), tl.exp2(lse - m_safe), 0.0)
     o = tl.sum(op * w[:, None], axis=0)
-    for r in range(r_lo, r_hi):
-        row = r * num_heads + h
-        lr = tl.load(SLSE + row)
-        wr = tl.where(lr > float("-inf"), tl.exp2(lr - mx_safe), 0.0)
-        o += wr * tl.load(SOP + row * D + offs_d)
-        tot += wr
+    tot = tl.sum(w, axis=0)
+    for r0 in range(r_lo, r_hi, ROWS):
+        rmask = r0 + offs_r < r_hi
+        row = (r0 + offs_r) * num_heads + h  # partial rows: int32 offsets
+        lr = tl.load(SLSE + row, mask=rmask, other=float("-inf"))
+        sop = tl.load(SOP + row[:, None] * D + offs_d[None, :], mask=rmask[:, None], other=0.0)
+        m_new = tl.maximum(m, tl.max(lr, axis=0))
+        m_new_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
+        alpha = tl.exp2(m - m_new_safe)  # 0 while nothing was seen (m = -inf)
+        wr = tl.where(lr > float("-inf"), tl.exp2(lr - m_new_safe), 0.0)
+        o = o * alpha + tl.sum(sop * wr[:, None], axis=0)
+        tot = tot * alpha + tl.sum(wr, axis=0)
+        m = m_new
     o = tl.where(tot > 0, o / tl.where(tot > 0, tot, 1.0), 0.0)
     tl.store(O + t.to(tl.int64) * stride_ot + h * stride_oh + offs_d, o.to(O.dtype.element_ty))
 
 
+MERGE_ROWS = 16  # partial rows the merge loads at once
+
+
 def launch_config(dtype: torch.dtype, num_heads: int, kv_heads: int, head_dim: int, page_size: int, *,
-                  decode: bool, block_m: int = 64, idx64: bool = False, ape: bool = False,
+                  grouped: bool, block_m: int = 64, idx64: bool = False, ape: bool = False, fp8: bool = False,
                   num_warps: int | None = None, num_stages: int = 2) -> tuning.Launch:
-    """The chunk-major kernel as a launch of these shapes runs it."""
+    """The chunk-major kernel as a launch of these shapes runs it (dtype: the query's; fp8: e4m3 pages)."""
     group = num_heads // kv_heads
-    constexprs = dict(GROUP=group, PER_ITEM=group if decode else 1, DTYPE=TL_DTYPE[dtype], PS=page_size,
-                      HALF=head_dim // 2, BLOCK_M=block_m, PREC=precision(dtype), IDX64=idx64, APE=ape,
+    constexprs = dict(GROUP=group, PER_ITEM=group if grouped else 1, DTYPE=TL_DTYPE[dtype], PS=page_size,
+                      HALF=head_dim // 2, BLOCK_M=block_m, PREC=precision(dtype), IDX64=idx64, APE=ape, FP8=fp8,
                       NW=WORK, NU=USE, NI=ITEM, NP=PAGE)
     options = dict(num_warps=num_warps or (8 if block_m >= 128 else 4), num_stages=num_stages)
     return tuning.Launch(_shared_kernel, constexprs, options)
 
 
-def _shared_partials(q, k_pages, v_pages, plan: SharedPlan, q_pos, inv_freq, sm_scale, ape_temperature, ape_scale,
-                     num_warps, num_stages):
+def _shared_partials(q, k_pages, v_pages, k_scale, v_scale, plan: SharedPlan, q_pos, inv_freq, sm_scale,
+                     ape_temperature, ape_scale, num_warps, num_stages):
     """Run the chunk-major kernel: partial outputs [rows, H, D] and log2-sum-exps [rows, H]."""
     H, D = q.shape[1], q.shape[2]
     _, PS, Hkv, _ = k_pages.shape
@@ -148,13 +162,16 @@ def _shared_partials(q, k_pages, v_pages, plan: SharedPlan, q_pos, inv_freq, sm_
     sop = scratch((rows, H, D), q.device)
     slse = scratch((rows, H), q.device)
     ape = ape_enabled(ape_temperature, ape_scale)
-    launch = launch_config(q.dtype, H, Hkv, D, PS, decode=plan.decode, block_m=plan.block_m,
-                           idx64=needs_idx64(k_pages, v_pages), ape=ape, num_warps=num_warps, num_stages=num_stages)
+    launch = launch_config(q.dtype, H, Hkv, D, PS, grouped=plan.grouped, block_m=plan.block_m,
+                           idx64=needs_idx64(k_pages, v_pages), ape=ape, fp8=k_pages.dtype == FP8,
+                           num_warps=num_warps, num_stages=num_stages)
     if plan.layout.works:
-        grid = (plan.layout.works, Hkv if plan.decode else H)
-        _shared_kernel[grid](q, k_pages, v_pages, sop, slse, plan.head, plan.work, plan.use, plan.item, plan.page,
-                             q_pos, inv_freq, q.stride(0), q.stride(1), k_pages.stride(0), k_pages.stride(1),
-                             k_pages.stride(2), v_pages.stride(0), v_pages.stride(1), v_pages.stride(2), H,
+        grid = (plan.layout.works, Hkv if plan.grouped else H)
+        ks, vs, stride_ksp, stride_vsp, stride_st = scale_args(k_pages, k_scale, v_scale)
+        _shared_kernel[grid](q, k_pages, v_pages, ks, vs, sop, slse, plan.head, plan.work, plan.use, plan.item,
+                             plan.page, q_pos, inv_freq, q.stride(0), q.stride(1), k_pages.stride(0),
+                             k_pages.stride(1), k_pages.stride(2), v_pages.stride(0), v_pages.stride(1),
+                             v_pages.stride(2), stride_ksp, stride_vsp, stride_st, H,
                              *logit_scales(sm_scale, ape_temperature, ape_scale), **launch.constexprs,
                              **launch.options)
     return sop, slse
@@ -165,30 +182,32 @@ def _merger(sop, slse, plan: SharedPlan):
     def merge(op, lse, o, num_splits):
         T, H, D = o.shape
         _merge_shared_kernel[(T, H)](op, lse, sop, slse, plan.part_ptr, o, o.stride(0), o.stride(1), H, num_splits,
-                                     D=D, SPLITS_P2=triton.next_power_of_2(num_splits), num_warps=4)
+                                     D=D, SPLITS_P2=triton.next_power_of_2(num_splits), ROWS=MERGE_ROWS, num_warps=4)
     return merge
 
 
 def shared_decode(q, k_pages, v_pages, pages: PageTable, plan: SharedPlan, q_pos, inv_freq, sm_scale,
-                  ape_temperature: float = 1.0, ape_scale: float = 1.0, num_splits: int | None = None,
-                  num_warps: int | None = None, num_stages: int = 2, out=None):
+                  ape_temperature: float = 1.0, ape_scale: float = 1.0, k_scale=None, v_scale=None,
+                  num_splits: int | None = None, num_warps: int | None = None, num_stages: int = 2, out=None):
     o = torch.empty_like(q) if out is None else out
     if q.shape[0] == 0:
         return o
-    sop, slse = _shared_partials(q, k_pages, v_pages, plan, q_pos, inv_freq, sm_scale, ape_temperature, ape_scale,
-                                 num_warps, num_stages)
+    sop, slse = _shared_partials(q, k_pages, v_pages, k_scale, v_scale, plan, q_pos, inv_freq, sm_scale,
+                                 ape_temperature, ape_scale, num_warps, num_stages)
     return decode.lazy_decode(q, k_pages, v_pages, pages, q_pos, inv_freq, sm_scale, True, ape_temperature,
-                              ape_scale, num_splits=num_splits, out=o, merge=_merger(sop, slse, plan))
+                              ape_scale, k_scale, v_scale, num_splits=num_splits, out=o,
+                              merge=_merger(sop, slse, plan))
 
 
 def shared_prefill(q, k_pages, v_pages, pages: PageTable, plan: SharedPlan, cu_seqlens_q, q_pos, inv_freq, sm_scale,
-                   ape_temperature: float = 1.0, ape_scale: float = 1.0, max_seqlen_q: int | None = None,
-                   num_splits: int | None = None, num_warps: int | None = None, num_stages: int = 2, out=None):
+                   ape_temperature: float = 1.0, ape_scale: float = 1.0, k_scale=None, v_scale=None,
+                   max_seqlen_q: int | None = None, num_splits: int | None = None, num_warps: int | None = None,
+                   num_stages: int = 2, out=None):
     o = torch.empty_like(q) if out is None else out
     if q.shape[0] == 0 or pages.batch == 0:
         return o
-    sop, slse = _shared_partials(q, k_pages, v_pages, plan, q_pos, inv_freq, sm_scale, ape_temperature, ape_scale,
-                                 num_warps, num_stages)
+    sop, slse = _shared_partials(q, k_pages, v_pages, k_scale, v_scale, plan, q_pos, inv_freq, sm_scale,
+                                 ape_temperature, ape_scale, num_warps, num_stages)
     return prefill.lazy_prefill(q, k_pages, v_pages, pages, cu_seqlens_q, q_pos, inv_freq, sm_scale, True,
-                                ape_temperature, ape_scale, max_seqlen_q=max_seqlen_q, num_splits=num_splits, out=o,
-                                merge=_merger(sop, slse, plan))
+                                ape_temperature, ape_scale, k_scale, v_scale, max_seqlen_q=max_seqlen_q,
+                                num_splits=num_splits, out=o, merge=_merger(sop, slse, plan))

@@ -1,5 +1,6 @@
-"""Chunk-major grouping: the runs of page-table entries that several requests share, grouped so
-that the chunk-major kernels read each shared page once per step for every request using it.
+"""Chunk-major grouping: the runs of page-table entries that read stored page sequences (chunks,
+the preamble), grouped by sequence so that the chunk-major kernels read each such page once per
+step for every request using it.
 
 Host side and pure (CPU tensors in and out); docs/kernels.md, "Chunk-major attention", is the
 contract.
@@ -52,15 +53,17 @@ class SharedPages:
 
 
 def group_shared(pages: PageTable, runs: Tensor) -> tuple[SharedPages, PageTable]:
-    """Split a page table into the runs several requests share and each request's remainder.
+    """Split a page table into the runs of stored page sequences and each request's remainder.
 
     runs: int32 [B, max_pages]: 0 for an entry only its request reads (its own tokens, a
     private page), else a label naming the stored page sequence (a chunk, the preamble) the
     entry is a page of: the same label in every request, for every page of that sequence.
     A run is a stretch of consecutive entries of one request with one label and one delta, on
     one side of its APE bounds, whose pages follow each other in stored order (the same chunk
-    twice in a request is two runs). The runs of one page sequence form a group; a group of a
-    single run stays in its request's remainder (nothing to share).
+    twice in a request is two runs). The runs of one page sequence form a group, also where
+    only one run reads it: the chunk-major plan splits every group's pages across programs,
+    while a long run left in its request's remainder would make that request's walk the step's
+    longest.
 
     Every key of a shared entry must precede every query of its request (chunk pages come
     before a request's own tokens): the chunk-major kernels apply no causal mask to them.
@@ -95,8 +98,7 @@ def group_shared(pages: PageTable, runs: Tensor) -> tuple[SharedPages, PageTable
     run_b[r_of] = b_of
     run_label = label[run_b, first]
     run_len = np.bincount(r_of, minlength=n_runs)
-    labels, runs_per_label = np.unique(run_label, return_counts=True)
-    shared_labels = labels[runs_per_label > 1]
+    shared_labels = np.unique(run_label)
 
     keep = np.isin(run_label, shared_labels)  # the shared runs, in request then entry order
     k_b, k_first, k_label = run_b[keep], first[keep], run_label[keep]

@@ -56,16 +56,16 @@ class SharedPlan:
 
     head [4]:        work items and uses in use
     work [works, 5]: row items lo..hi-1, pages lo..hi-1, split index: one program per KV head
-                     (decode) or query head (prefill)
+                     (grouped) or query head
     use [uses, 5]:   request, delta, APE (0/1), its pages lo..hi-1
     item [items, 3]: query token, use, first partial row (a use's row items: its request's
                      tokens; split s of the use's group writes row first + s)
     page [pages, 3]: physical page, stored start, valid length
     part_ptr [tokens + 1]: token t's partial rows are part_ptr[t]..part_ptr[t+1]-1
 
-    decode: a row item is one token's GQA group of query heads (one program per KV head);
-    otherwise one query head (one program per query head). group: the GQA group size;
-    block_m: rows per program.
+    grouped: a row item is one token's GQA group of query heads (one program per KV head, which
+    reads each page once for the whole group); otherwise one query head (one program per query
+    head). Decode plans are always grouped. group: the GQA group size; block_m: rows per program.
     """
 
     buffer: Tensor
@@ -73,6 +73,12 @@ class SharedPlan:
     decode: bool
     group: int
     block_m: int
+    grouped: bool = True
+
+    @property
+    def per_item(self) -> int:
+        """Query heads per row item."""
+        return self.group if self.grouped else 1
 
     def _field(self, i: int) -> Tensor:
         at = sum(_aligned(n) for n in self.layout.sizes[:i])
@@ -108,12 +114,12 @@ class SharedPlan:
 
     def to(self, device, non_blocking: bool = False) -> "SharedPlan":
         return SharedPlan(self.buffer.to(device, non_blocking=non_blocking), self.layout, self.decode, self.group,
-                          self.block_m)
+                          self.block_m, self.grouped)
 
     def copy_(self, src: "SharedPlan") -> None:
         """Take src's launch into this plan's buffer (same layout: a CUDA graph's static plan)."""
-        if src.layout != self.layout or (src.decode, src.group, src.block_m) != (self.decode, self.group,
-                                                                                 self.block_m):
+        if src.layout != self.layout or (src.decode, src.group, src.block_m, src.grouped) != (
+                self.decode, self.group, self.block_m, self.grouped):
             raise ValueError("a plan copies only into a plan of its own layout and launch shape")
         self.buffer.copy_(src.buffer, non_blocking=True)
 
@@ -122,28 +128,32 @@ def empty_plan(layout: PlanLayout, *, decode: bool, group: int, block_m: int = 6
                device: torch.device | str = "cpu") -> SharedPlan:
     """A plan with nothing shared (no work, no partial rows) of the given capacities."""
     return SharedPlan(torch.zeros(layout.size, dtype=torch.int32, device=device), layout, decode, group,
-                      _block(block_m, group, decode))
+                      _block(block_m, group, True))
 
 
 def plan_shared(shared: SharedPages, cu_seqlens: Tensor, num_heads: int, kv_heads: int, head_dim: int, *,
-                decode: bool, device: torch.device | str = "cpu", block_m: int = 64, num_splits: int | None = None,
-                layout: PlanLayout | None = None, pin: bool = False) -> SharedPlan | None:
+                decode: bool, device: torch.device | str = "cpu", block_m: int = 64,
+                num_splits: int | None = None, grouped: bool = True, layout: PlanLayout | None = None,
+                pin: bool = False) -> SharedPlan | None:
     """The launch of the chunk-major kernel over `shared` for a step whose request b owns query
     tokens cu_seqlens[b]..cu_seqlens[b+1]-1 (decode: one each). Built on the host (pinned if
     `pin`); `device` is where it will run (its size picks the split). Each group's row items
     (its uses times their tokens) are tiled block_m rows at a time; where that leaves the GPU
     partly idle, each group's pages are split across programs too (the split rule of
     tuning.split_count, long groups into more parts). `layout`: the capacities to lay the plan
-    out in (a CUDA graph's); None where it does not fit, even unsplit."""
+    out in (a CUDA graph's); None where it does not fit, even unsplit. grouped: one program per KV
+    head for all its query heads (decode always; in prefill faster than a program per
+    query head on the paper's workload, docs/benchmarks.md)."""
     if num_heads % kv_heads:
         raise ValueError(f"num_heads {num_heads} must be a multiple of kv_heads {kv_heads}")
     group = num_heads // kv_heads
-    block_m = _block(block_m, group, decode)
+    grouped = grouped or decode
+    block_m = _block(block_m, group, grouped)
     s = {k: v.astype(np.int64) for k, v in shared.numpy().items()}
     cu = cu_seqlens.cpu().numpy().astype(np.int64)
     if decode and (np.diff(cu) > 1).any():
         raise ValueError("a decode plan takes one query token per request")
-    per_item = group if decode else 1
+    per_item = group if grouped else 1
     per_tile = block_m // per_item
     n_pages = np.diff(s["page_ptr"])
     use_group = np.repeat(np.arange(shared.groups), np.diff(s["use_ptr"]))
@@ -153,22 +163,23 @@ def plan_shared(shared: SharedPages, cu_seqlens: Tensor, num_heads: int, kv_head
     tiles = -(-items_per_group // per_tile)
     if num_splits is None:
         dev = torch.device(device)
-        slots = ((tuning.decode(head_dim, tuning.capability(dev)).programs_per_sm if decode else
-                  tuning.prefill(head_dim, tuning.capability(dev)).programs_per_sm) * tuning.num_sms(dev))
-        num_splits = tuning.split_count(int(tiles.sum()) * (kv_heads if decode else num_heads),
+        # tiles of block_m rows take registers like the prefill kernel's, in decode too
+        slots = tuning.prefill(head_dim, tuning.capability(dev)).programs_per_sm * tuning.num_sms(dev)
+        num_splits = tuning.split_count(int(tiles.sum()) * (kv_heads if grouped else num_heads),
                                         int(n_pages.max(initial=0)), slots)
     plan = _build(s, cu, use_group, n_tok, items_per_group, tiles, n_pages, per_tile, num_splits, layout, pin)
-    if plan is None and num_splits > 1:
-        plan = _build(s, cu, use_group, n_tok, items_per_group, tiles, n_pages, per_tile, 1, layout, pin)
+    while plan is None and num_splits > 1:  # a graph's capacities: fewer splits, down to none
+        num_splits //= 2
+        plan = _build(s, cu, use_group, n_tok, items_per_group, tiles, n_pages, per_tile, num_splits, layout, pin)
     if plan is None:
         return None
     buffer, lay = plan
-    return SharedPlan(buffer, lay, decode, group, block_m)
+    return SharedPlan(buffer, lay, decode, group, block_m, grouped)
 
 
-def _block(block_m: int, group: int, decode: bool) -> int:
-    """Rows per program: a power of two of at least 16 (the smallest dot) and, in decode, of one GQA group."""
-    block = max(16, block_m, 1 << (group - 1).bit_length() if decode else 1)
+def _block(block_m: int, group: int, grouped: bool) -> int:
+    """Rows per program: a power of two of at least 16 (the smallest dot) and, grouped, of one GQA group."""
+    block = max(16, block_m, 1 << (group - 1).bit_length() if grouped else 1)
     if block & (block - 1):
         raise ValueError(f"block_m must be a power of two, got {block_m}")
     return block
@@ -267,8 +278,6 @@ def full_table(rest: PageTable, plan: SharedPlan) -> PageTable:
 
 def check_plan(plan: SharedPlan, q: Tensor, k_pages: Tensor, decode: bool) -> None:
     """A plan's rules beside the attention arguments' (checks.check_attention)."""
-    if k_pages.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise ValueError(f"chunk-major attention reads fp16, bf16 or fp32 pages, got {k_pages.dtype}")
     if plan.decode != decode:
         raise ValueError(f"this plan was built for {'decode' if plan.decode else 'prefill'}")
     if q.shape[1] != plan.group * k_pages.shape[2]:

@@ -172,6 +172,8 @@ def batch_sweep(kw: dict, loaded, store, prompts, questions, cache_gb: float, ar
     if args.per_request_too:  # lazy with each request reading its own pages: what chunk-major buys
         configs.append(("lazy", 0.0, False, False))
     configs += [(m, f, False, True) for f in args.recompute for m in ("lazy", "block") if (m, f) != ("lazy", 0.0)]
+    if args.per_request_too:
+        configs += [("lazy", f, False, False) for f in args.recompute if f]
     if args.warm:  # the same lazy and block runs on a cache warmed by one untimed pass
         configs += [(m, f, True, shared) for m, f, _, shared in configs if m != "full"]
     rows = []
@@ -500,7 +502,8 @@ def main() -> None:
                     help="first compare chunk-major attention with per-request pages on N Zipf requests (logits "
                          "teacher-forced along the per-request answer, top-1 agreement, identical answers)")
     ap.add_argument("--per-request-too", action="store_true",
-                    help="in the batch sweep, also lazy without chunk-major attention (each request reads its pages)")
+                    help="in the batch sweep, also lazy without chunk-major attention (each request reads its pages), "
+                         "with and without recompute")
     ap.add_argument("--batch-sizes", type=lambda s: [int(x) for x in s.split(",") if x], default=[16, 32, 64, 128])
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs anywhere (the engine's --eager)")
     ap.add_argument("--warm", action="store_true",

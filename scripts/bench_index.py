@@ -95,7 +95,7 @@ def main() -> None:
     del encoder
 
     t = time.perf_counter()
-    build_index(cfg, progress=False, loaded=loaded)
+    result = build_index(cfg, progress=False, loaded=loaded)
     sync()
     index_s = time.perf_counter() - t
     with Store.open(cfg.store) as store:
@@ -116,6 +116,9 @@ def main() -> None:
         ("disk write (dd oflag=direct)", f"{disk_mb_s:,.0f} MB/s = {disk_tok_s:,.0f} tok/s of KV"),
         ("index (build_index, model loaded)", f"{index_tok_s:,.0f} tok/s"),
         ("index / min(forward, disk)", f"{index_tok_s / bound:.1%} (target >= 90%)"),
+        ("where index's time went", f"{index_s:.1f} s; the model waited {result.write_wait_s:.1f} s for writers "
+                                    f"(a free one, then the last writes); writers, summed over threads: {result.writer_copy_s:.1f} s copying "
+                                    f"off the GPU, {result.writer_store_s:.1f} s storing"),
         ("store on disk / raw KV", f"{summary['bytes'] / 1e6:,.1f} MB / {raw / 1e6:,.1f} MB = "
                                    f"{summary['bytes'] / raw:.3f}"),
     ]

@@ -37,7 +37,7 @@ SMOKE = os.environ.get("BENCH_SMOKE") == "1"
 if SMOKE:
     os.environ["TRITON_INTERPRET"] = "1"
 import triton  # noqa: E402
-from triton.testing import do_bench  # noqa: E402
+from triton.testing import do_bench, do_bench_cudagraph  # noqa: E402
 
 from lazyrag import kernels  # noqa: E402
 from lazyrag.kernels import PageTable, rope  # noqa: E402
@@ -83,6 +83,36 @@ def bench(fn_sets, warmup=20, rep=80):
         next(it)()
         return (time.perf_counter() - t) * 1e3
     return do_bench(lambda: next(it)(), warmup=warmup, rep=rep, return_mode="median")
+
+
+def bench_graph(fn, rep=80):
+    """Median ms of fn replayed from a CUDA graph: GPU time without the host's launch cost
+    (the engine runs decode steps as graphs); None where fn cannot be captured."""
+    if SMOKE:
+        return bench([fn])
+    try:
+        return do_bench_cudagraph(fn, rep=rep, return_mode="median")
+    except Exception as e:  # noqa: BLE001 - a path that syncs the host cannot be captured
+        log(f"  (no graph timing: {type(e).__name__}: {str(e)[:80]})")
+        return None
+
+
+def kernel_times(fn, iters=20):
+    """GPU microseconds per call of each kernel fn launches (torch.profiler), largest first."""
+    if SMOKE:
+        return {}
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    times: dict[str, float] = {}
+    for e in prof.key_averages():
+        if e.device_type.name == "CUDA" and e.device_time_total > 0:
+            times[e.key[:40]] = e.device_time_total / iters
+    return dict(sorted(times.items(), key=lambda kv: -kv[1]))
 
 
 def rel(a, b):
@@ -311,12 +341,12 @@ class PaperStep(Work):
         self.unique_bytes = (len(torch.unique(ids[:, : n_chunks * cpp])) + B * own_pp) * self.page_bytes
         self.request_bytes = B * width * self.page_bytes  # what the per-request kernels read
 
-    def split(self, cu, decode, block_m=64, num_splits=None):
+    def split(self, cu, decode, block_m=64, num_splits=None, grouped=True):
         """The step's remainder tables and chunk-major plan on the device, built on the host (as
         the engine builds them when its batch changes)."""
         shared, rest = kernels.group_shared(self.pages, self.runs)
         plan = kernels.plan_shared(shared, cu, self.H, self.Hkv, self.D, decode=decode, device=torch.device(DEV),
-                                   block_m=block_m, num_splits=num_splits)
+                                   block_m=block_m, num_splits=num_splits, grouped=grouped)
         return rest.to(DEV), plan.to(DEV), shared
 
 
@@ -345,8 +375,8 @@ def shared_rows(copy_bw, bw_lim, mm_lim):
             def sdpa():
                 return F.scaled_dot_product_attention(qr.view(B, Hkv, G, D), K, V, scale=scale).view(B, H, D)
 
-            def chunk_major(plan=plan):
-                return kernels.shared_decode(q, w.k, w.v, rest, plan, qpos, w.invf, scale)
+            def chunk_major(plan=plan, **opts):
+                return kernels.shared_decode(q, w.k, w.v, rest, plan, qpos, w.invf, scale, **opts)
 
             def per_request():
                 return kernels.lazy_decode(q, w.k, w.v, pages, qpos, w.invf, scale)
@@ -359,8 +389,9 @@ def shared_rows(copy_bw, bw_lim, mm_lim):
                 o = F.scaled_dot_product_attention(qf, K, V, attn_mask=mask, scale=scale)
                 return o.view(B, H, q_len, D).permute(0, 2, 1, 3).reshape(B * q_len, H, D)
 
-            def chunk_major(plan=plan):
-                return kernels.shared_prefill(q, w.k, w.v, rest, plan, cu_dev, qpos, w.invf, scale)
+            def chunk_major(plan=plan, **opts):
+                return kernels.shared_prefill(q, w.k, w.v, rest, plan, cu_dev, qpos, w.invf, scale, max_seqlen_q=q_len,
+                                              **opts)
 
             def per_request():
                 return kernels.lazy_prefill(q, w.k, w.v, pages, cu_dev, qpos, w.invf, scale,
@@ -370,22 +401,39 @@ def shared_rows(copy_bw, bw_lim, mm_lim):
         for name, err in errs.items():
             if err > 3e-2:
                 log(f"  !! MISMATCH vs SDPA: {name} {err:.2e}")
-        t = {name: bench([fn]) for name, fn in (("chunk-major", chunk_major), ("per-request", per_request),
-                                                ("sdpa", sdpa))}
-        # rows per program: the default (64) against the alternatives it was chosen over
+        fns = (("chunk-major", chunk_major), ("per-request", per_request), ("sdpa", sdpa))
+        t = {name: bench([fn]) for name, fn in fns}
+        tg = {name: bench_graph(fn) for name, fn in fns}
+        log("  graph-replayed: " + ", ".join(f"{k} {'n/a' if v is None else f'{v * 1e3:.1f} us'}"
+                                              for k, v in tg.items()))
+        log("  launched one by one: " + ", ".join(f"{k} {v * 1e3:.1f} us" for k, v in t.items()))
+        if None not in tg.values():
+            t = tg  # the row: GPU time as the engine's CUDA graphs run it, not the host's launch cost
+        for name, fn in fns[:2]:
+            log(f"  kernels of {name}: " + ", ".join(f"{k} {v:.1f} us" for k, v in kernel_times(fn).items()))
+        def timed(fn):  # graph-replayed where it can be
+            g = bench_graph(fn)
+            return bench([fn]) if g is None else g
+
+        # the defaults (grouped, 64 rows, the split rule) against the alternatives
         alts = []
-        for block_m in [] if QUICK or SMOKE else ((16, 32, 64) if decode else (64, 128)):
-            for splits in (None, 1, 2, 4, 8, 16) if decode else (None, 1, 2, 4):
-                if (block_m, splits) == (64, None):
-                    continue  # the defaults
-                other = w.split(cu, decode, block_m, splits)[1]
-                alts.append(f"block_m={block_m} splits={splits or 'rule'} "
-                            f"{bench([lambda other=other: chunk_major(other)]) * 1e3:.1f} us")
+        for grouped in [] if QUICK or SMOKE else ((True,) if decode else (True, False)):
+            for block_m in (16, 32, 64) if decode else (64, 128):
+                for splits in (None, 1, 2, 4, 8, 16) if decode else (None, 1, 2, 4):
+                    if (grouped, block_m, splits) == (True, 64, None):
+                        continue  # the defaults
+                    other = w.split(cu, decode, block_m, splits, grouped)[1]
+                    alts.append(("" if grouped else "per-head ") + f"block_m={block_m} splits={splits or 'rule'} "
+                                f"{timed(lambda other=other: chunk_major(other)) * 1e3:.1f} us")
+        for opts in [] if QUICK or SMOKE else (dict(num_warps=2), dict(num_warps=8), dict(num_stages=3),
+                                               dict(num_stages=4)):
+            alts.append(" ".join(f"{k}={v}" for k, v in opts.items()) +
+                        f" {timed(lambda opts=opts: chunk_major(plan, **opts)) * 1e3:.1f} us")
         kind = "decode" if decode else f"prefill {q_len} tokens"
         step = f"{B} x 5 x {chunk_len}, Zipf 2.1 over {docs}"
         log(f"  shared {kind}: {shared.groups} shared chunks, {shared.uses} uses; " +
             ", ".join(f"{k} {v * 1e3:.1f} us" for k, v in t.items()))
-        note = (f"SDPA {t['sdpa'] * 1e3:.1f} us; unique KV {w.unique_bytes / 1e6:.0f} MB = "
+        note = (("graph-replayed; " if t is tg else "") + f"SDPA {t['sdpa'] * 1e3:.1f} us; unique KV {w.unique_bytes / 1e6:.0f} MB = "
                 f"{w.unique_bytes / (copy_bw * 1e12) * 1e6:.1f} us at copy bw; per-request reads "
                 f"{w.request_bytes / 1e6:.0f} MB; err vs SDPA {errs['chunk-major']:.1e} (per-request "
                 f"{errs['per-request']:.1e})" + "".join(f"; {a}" for a in alts))

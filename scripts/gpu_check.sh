@@ -8,6 +8,7 @@
 # registry can take the missing ones as wheels, see shared/tools/gpu-wheels.sh).
 # Usage:
 #   KERNEL_ARGS=--quick E2E_LIMIT=240 bash scripts/gpu_check.sh random:llama3.2-1b [bench_e2e args...]
+# INDEX_DTYPE picks the index benchmark's KV dtype (bf16 or fp8).
 # TESTS narrows the test run to some files (default: every test marked gpu).
 set -u
 export PYTHONUNBUFFERED=1
@@ -21,7 +22,7 @@ python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . > "$OUT
 step gpu_tests "${TEST_LIMIT:-150}" python3 -m pytest -q -m gpu -p no:cacheprovider ${TESTS:-}
 step bench_kernels "${KERNEL_LIMIT:-150}" python3 scripts/bench_kernels.py ${KERNEL_ARGS:---quick}
 step bench_e2e "${E2E_LIMIT:-240}" python3 scripts/bench_e2e.py --models "$models" "$@"
-step bench_index "${INDEX_LIMIT:-100}" python3 scripts/bench_index.py --model random:llama3-8b --dtype bf16 \
+step bench_index "${INDEX_LIMIT:-100}" python3 scripts/bench_index.py --model random:llama3-8b --kv-dtype "${INDEX_DTYPE:-bf16}" \
   --docs 12 --doc-tokens 2048 --chunk-tokens 2048 --batch-tokens 16384 --dir /tmp/bench-index
 step bench_store "${STORE_LIMIT:-120}" python3 scripts/bench_store.py --gib 4 --chunk-tokens 2048 --page 64 \
   --chunks-per-segment 4

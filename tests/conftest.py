@@ -35,6 +35,14 @@ def tiny():
 
 
 @pytest.fixture(scope="session")
+def tiny_fp8():
+    """random:tiny for fp8 stores: it computes in fp32, its KV pages are e4m3 with their scales."""
+    from lazyrag.models import load_model
+
+    return load_model("random:tiny", device="cpu", dtype="fp8")
+
+
+@pytest.fixture(scope="session")
 def s3_endpoint():
     """A local S3 (moto's server on 127.0.0.1), started once per test run; its address and test
     credentials are in the environment obstore reads."""

@@ -15,7 +15,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import torch
@@ -46,6 +46,9 @@ class IndexResult:
     bad_skipped: int
     seconds: float
     chunks_repaired: int = 0  # damaged chunks (corrupt or missing data) encoded again
+    write_wait_s: float = 0.0  # the model waited this long for writers (a free one, then the last writes)
+    writer_copy_s: float = 0.0  # the writers' time copying KV off the GPU, summed over threads
+    writer_store_s: float = 0.0  # and storing it (checksums, writes, fsync, catalog commit)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -148,6 +151,21 @@ def aligned_host_copy(kv: torch.Tensor) -> torch.Tensor:
     return host.copy_(kv)
 
 
+@dataclass
+class WriterTimes:
+    """Where an index run's writes spent their time (IndexResult's write_* fields)."""
+    wait_s: float = 0.0
+    copy_s: float = 0.0
+    store_s: float = 0.0
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, wait_s: float = 0.0, copy_s: float = 0.0, store_s: float = 0.0) -> None:
+        with self.lock:
+            self.wait_s += wait_s
+            self.copy_s += copy_s
+            self.store_s += store_s
+
+
 class BatchWriter:
     """Stores batches on writer threads behind a bounded queue, so compute never waits on
     disk. Each batch becomes its own segment, so several can be written at once: while one
@@ -157,6 +175,7 @@ class BatchWriter:
         self.write = write
         self.queue: queue.Queue = queue.Queue(maxsize=threads)
         self.error: BaseException | None = None
+        self.times = WriterTimes()
         self.threads = [threading.Thread(target=self._run, name=f"lazyrag-writer-{i}", daemon=True)
                         for i in range(threads)]
         for t in self.threads:
@@ -171,6 +190,7 @@ class BatchWriter:
                     # the device-to-host copy happens here too, off the compute thread, and on this
                     # thread's own stream: on the default one it would wait for the forward passes
                     # queued after this batch, and encoding and copying would take turns
+                    t0 = time.perf_counter()
                     if ready is None:
                         host = aligned_host_copy(kv)
                     else:
@@ -178,7 +198,9 @@ class BatchWriter:
                         with torch.cuda.stream(stream):
                             stream.wait_event(ready)
                             host = aligned_host_copy(kv)  # to pageable memory: returns once copied
+                    t1 = time.perf_counter()
                     self.write(chunks, kv_to_storage(host))
+                    self.times.add(copy_s=t1 - t0, store_s=time.perf_counter() - t1)
                 except BaseException as exc:  # reported on the main thread
                     self.error = exc
 
@@ -188,13 +210,17 @@ class BatchWriter:
         if kv.is_cuda:  # the batch is ready once the work queued so far on this stream has run
             ready = torch.cuda.Event()
             ready.record()
+        t0 = time.perf_counter()
         self.queue.put((chunks, kv, ready))
+        self.times.add(wait_s=time.perf_counter() - t0)
 
     def close(self) -> None:
+        t0 = time.perf_counter()
         for _ in self.threads:
             self.queue.put(None)
         for t in self.threads:
             t.join()
+        self.times.add(wait_s=time.perf_counter() - t0)  # the last batches' writes, after the model is done
         self._check()
 
     def _check(self) -> None:
@@ -203,11 +229,11 @@ class BatchWriter:
 
 
 def encode_chunks(loaded: LoadedModel, settings: StoreSettings, chunks: list[NewChunk], batch_pages: int,
-                  write: WriteBatch, on_batch: Callable[[list[NewChunk]], None] = lambda batch: None) -> None:
+                  write: WriteBatch, on_batch: Callable[[list[NewChunk]], None] = lambda batch: None) -> WriterTimes:
     """Encode ``chunks`` in forward passes of ``batch_pages`` pages and hand each batch's KV to
     ``write`` on writer threads; ``on_batch`` hears of each batch once it is encoded."""
     if not chunks:
-        return
+        return WriterTimes()
     encoder = ChunkEncoder(loaded, list(settings.preamble_ids), settings.page_size, batch_pages)
     writer = BatchWriter(write)
     try:
@@ -216,6 +242,7 @@ def encode_chunks(loaded: LoadedModel, settings: StoreSettings, chunks: list[New
             on_batch(batch)
     finally:
         writer.close()
+    return writer.times
 
 
 def plan(store: Store, documents: dict[str, list[NewChunk]], verify: bool) -> tuple[set[str], dict[str, NewChunk]]:
@@ -253,21 +280,24 @@ def build_index(cfg: IndexConfig, report=print, progress: bool = True, loaded: L
         damaged, todo = plan(store, documents, cfg.verify)
         bar = ProgressBar(len(todo), progress)
         try:
-            encode_chunks(loaded, settings, list(todo.values()), pages_per_batch(cfg, settings),
-                          lambda chunks, kv: store.append(chunks, kv, replace=damaged), bar.update)
+            times = encode_chunks(loaded, settings, list(todo.values()), pages_per_batch(cfg, settings),
+                                  lambda chunks, kv: store.append(chunks, kv, replace=damaged), bar.update)
         finally:
             bar.close()
-        return index_result(cfg, store, todo, damaged, stats, t0)
+        return index_result(cfg, store, todo, damaged, stats, t0, times)
 
 
 def index_result(cfg: IndexConfig, store: Store, todo: dict[str, NewChunk], damaged: set[str], stats: CorpusStats,
-                 t0: float) -> IndexResult:
+                 t0: float, times: WriterTimes | None = None) -> IndexResult:
     summary = store.summary()
+    times = times or WriterTimes()
     return IndexResult(
         store=str(cfg.store), chunks_added=len(todo), chunks_total=summary["chunks"],
         tokens_added=sum(len(c.token_ids) for c in todo.values()), tokens_total=summary["tokens"],
         documents_total=summary["documents"], documents_empty=stats.empty_skipped, bad_skipped=stats.bad_skipped,
         seconds=round(time.perf_counter() - t0, 3), chunks_repaired=len(damaged & todo.keys()),
+        write_wait_s=round(times.wait_s, 3), writer_copy_s=round(times.copy_s, 3),
+        writer_store_s=round(times.store_s, 3),
     )
 
 

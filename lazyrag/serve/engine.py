@@ -39,7 +39,7 @@ class Engine:
         """ape: APE's (temperature, scale) on the attention from each request's own tokens to
         its chunk pages, lazy and block only; (1, 1) is off. shared_attention: in lazy mode, each
         step reads the pages several of its requests share once for all of them (chunk-major
-        attention, lazyrag/serve/sharing.py); otherwise, and for fp8 pools, per request."""
+        attention, lazyrag/serve/sharing.py), fp8 pools included; otherwise per request."""
         mode_class = select_mode(mode)
         kernels.check_ape(*ape)
         if Mode(mode) is Mode.FULL and kernels.ape_enabled(*ape):
@@ -55,7 +55,7 @@ class Engine:
                                        loaded.kv_dtype, loaded.device)
         self.cache = ChunkCache(self.pool, ChunkLoader(store, self.pool, host_cache_bytes))
         chunk_major = None
-        if shared_attention and mode_class.shares_chunks and loaded.kv_dtype != kernels.FP8:
+        if shared_attention and mode_class.shares_chunks:
             cfg = loaded.cfg
             chunk_major = ChunkMajor(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, loaded.device)
         self.runner = Runner(loaded, self.pool, mode_class.rotate_queries, ape, chunk_major)

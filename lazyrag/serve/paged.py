@@ -309,6 +309,7 @@ class StepInputs:
     pages: kernels.PageTable
     decode: bool  # one token per request
     shared: kernels.SharedPlan | None = None  # chunk-major: `pages` is then each request's remainder
+    max_seqlen: int | None = None  # the longest request's tokens, known on the host (prefill needs no sync)
 
     @classmethod
     def on(cls, buf: torch.Tensor, layout: StepLayout) -> "StepInputs":
@@ -322,7 +323,9 @@ class StepInputs:
         host, layout = pack_step(feeds, page_size, pin=device.type == "cuda")
         # pinned memory comes from torch's caching host allocator, which keeps a block until
         # the copies reading it have run, so the next step cannot overwrite it early
-        return cls.on(host.to(device, non_blocking=True), layout)
+        step = cls.on(host.to(device, non_blocking=True), layout)
+        step.max_seqlen = max((len(f.tokens) for f in feeds), default=1)
+        return step
 
 
 class PagedAttention:
@@ -347,16 +350,17 @@ class PagedAttention:
         if not self.lazy:  # keys sit at logical positions: rotate q once, like any engine
             q = rotate(q, st.positions, self.inv_freq)
         if st.shared is not None:  # lazy only: runs shared by several requests read once for all
-            ape = dict(ape_temperature=self.ape_temperature, ape_scale=self.ape_scale)
+            kw = dict(ape_temperature=self.ape_temperature, ape_scale=self.ape_scale, k_scale=k_scale, v_scale=v_scale)
             if st.decode:
                 return kernels.shared_decode(q, k_pages, v_pages, st.pages, st.shared, st.positions, self.inv_freq,
-                                             self.sm_scale, **ape)
+                                             self.sm_scale, **kw)
             return kernels.shared_prefill(q, k_pages, v_pages, st.pages, st.shared, st.cu_seqlens, st.positions,
-                                          self.inv_freq, self.sm_scale, **ape)
+                                          self.inv_freq, self.sm_scale, max_seqlen_q=st.max_seqlen, **kw)
         if st.decode:
             return kernels.lazy_decode(q, k_pages, v_pages, st.pages, st.positions, self.inv_freq, self.sm_scale,
                                        rotate=self.lazy, ape_temperature=self.ape_temperature,
                                        ape_scale=self.ape_scale, k_scale=k_scale, v_scale=v_scale)
         return kernels.lazy_prefill(q, k_pages, v_pages, st.pages, st.cu_seqlens, st.positions, self.inv_freq,
                                     self.sm_scale, rotate=self.lazy, ape_temperature=self.ape_temperature,
-                                    ape_scale=self.ape_scale, k_scale=k_scale, v_scale=v_scale)
+                                    ape_scale=self.ape_scale, k_scale=k_scale, v_scale=v_scale,
+                                    max_seqlen_q=st.max_seqlen)

@@ -1,6 +1,6 @@
-"""Chunk-major steps in lazy mode: a step's feeds cut into the runs of pages that several of its
-requests share (chunks, the preamble), read once per step for all of them by the chunk-major
-kernels, and each request's remainder (its own tokens, its private pages), read per request.
+"""Chunk-major steps in lazy mode: a step's feeds cut into the runs of stored pages (chunks, the
+preamble), read once per step for every request using them by the chunk-major kernels, and each
+request's remainder (its own tokens, its private pages), read per request.
 
 The cut and the kernels' launch plan are built on the host when the batch changes: a decode
 batch keeps them from step to step (a placement's rows do not change once it has run), and a
@@ -22,7 +22,7 @@ from lazyrag.serve.paged import DELTA, LENGTH, START, Feed, StepInputs
 @dataclass
 class SharedFeeds:
     """A batch's feeds cut in two: `rest`, each feed with the rows its request reads alone, and
-    `shared`, the runs two or more of them read (kernels.group_shared)."""
+    `shared`, the runs of stored pages they read, grouped by page sequence (kernels.group_shared)."""
 
     rest: list[Feed]
     shared: kernels.SharedPages
@@ -35,7 +35,7 @@ class SharedFeeds:
 
 def cut_feeds(feeds: list[Feed]) -> SharedFeeds | None:
     """The shared runs of the feeds' labelled rows (Feed.shared) and each feed's remainder;
-    None where no run is read by two of them. Labelled rows must be context rows whose keys
+    None where no feed has labelled rows. Labelled rows must be context rows whose keys
     all precede the feed's tokens: the chunk-major kernels apply no causal mask to them."""
     if not any(f.shared is not None and f.shared.any() for f in feeds):
         return None
@@ -79,9 +79,10 @@ _NOTHING = object()  # what a new static plan holds: not even "nothing shared"
 
 def graph_layout(batch: int, max_pages: int) -> kernels.PlanLayout:
     """A decode graph's plan capacities for `batch` requests of up to `max_pages` rows: room for
-    16 shared runs a request, each page of every request's table, and 32 partial rows a request
-    (the paper's workload, 32 requests over 5 chunks of 32 pages, needs about 18)."""
-    return kernels.PlanLayout(works=16 * batch, uses=16 * batch, items=16 * batch, pages=batch * max_pages,
+    16 runs of stored pages a request, each page of every request's table, 64 programs and 32
+    partial rows a request (the paper's workload, 32 requests over 5 chunks of 32 pages, needs
+    about 18 rows; a lone request's 5 chunks, split to fill the GPU, up to 64 programs)."""
+    return kernels.PlanLayout(works=64 * batch, uses=16 * batch, items=16 * batch, pages=batch * max_pages,
                               tokens=batch, rows=32 * batch)
 
 

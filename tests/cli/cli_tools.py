@@ -28,11 +28,11 @@ def write_jsonl(path, *rows):
     return path
 
 
-def index_docs(store, tmp_path, *ids):
+def index_docs(store, tmp_path, *ids, kv_dtype="auto"):
     """A random:tiny store of the demo documents `ids`."""
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text(demo_docs(*ids))
-    res = cli("index", corpus, "--store", store, *TINY, "--chunk-tokens", "256", "-q")
+    res = cli("index", corpus, "--store", store, *TINY, "--chunk-tokens", "256", "--kv-dtype", kv_dtype, "-q")
     assert res.exit_code == 0, res.output
     return store
 

@@ -1,11 +1,14 @@
 """`answer --no-shared-attention`: lazy answers read the shared chunk pages per request instead of
-once per step for all, with the same answers; the run record says which."""
+once per step for all, with the same answers, from a store of the model's KV dtype or an fp8 one;
+the run record says which."""
 
+import pytest
 from cli_tools import answer, index_docs, last_run, rows, write_jsonl
 
 
-def test_answers_are_the_same_with_and_without_shared_attention(tmp_path):
-    store = index_docs(tmp_path / "s.zarr", tmp_path, "jupiter", "mars", "saturn")
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8"])
+def test_answers_are_the_same_with_and_without_shared_attention(tmp_path, kv_dtype):
+    store = index_docs(tmp_path / "s.zarr", tmp_path, "jupiter", "mars", "saturn", kv_dtype=kv_dtype)
     queries = write_jsonl(tmp_path / "q.jsonl",
                           {"id": "a", "question": "Which moon is the largest?", "docs": ["saturn", "jupiter"]},
                           {"id": "b", "question": "Which planet is red?", "docs": ["jupiter", "mars", "saturn"]},

@@ -1,4 +1,4 @@
-"""Random paged-KV cases for the kernel tests, a float64 oracle, and the error measures."""
+"""Random paged-KV cases for the kernel tests (fp8 pages too), a float64 oracle, and the error measures."""
 from __future__ import annotations
 
 import math
@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lazyrag import kernels
 from lazyrag.kernels import PageTable
 
 
@@ -114,6 +115,20 @@ def make_case(seed, *, H=4, Hkv=2, D=64, PS=16, dtype=torch.float32, device="cpu
     pt = PageTable(ids, delta, start, length, count, *ape).to(device)
     return Case(q.to(dtype).to(device), k.to(dtype).to(device), v.to(dtype).to(device), pt, cu.to(device),
                 q_pos.to(device), inv_freq.to(device), 1.0 / math.sqrt(D), list(q_lens))
+
+
+def fp8_case(c: Case) -> tuple[Case, torch.Tensor, torch.Tensor, Case]:
+    """The case with e4m3 pages, their scales, and the same case over the dequantised (fp32) pages."""
+    k8, ks = kernels.quantize_fp8(c.k_pages)
+    v8, vs = kernels.quantize_fp8(c.v_pages)
+    quantised = Case(c.q, k8, v8, c.pages, c.cu, c.q_pos, c.inv_freq, c.sm_scale, c.lens)
+    plain = Case(c.q, kernels.dequantize_fp8(k8, ks), kernels.dequantize_fp8(v8, vs), c.pages, c.cu, c.q_pos,
+                 c.inv_freq, c.sm_scale, c.lens)
+    return quantised, ks, vs, plain
+
+
+def cuda_fp8() -> bool:
+    return torch.cuda.is_available() and kernels.fp8_supported(torch.cuda.get_device_capability())
 
 
 def gpu_case(seed, H, Hkv, D, PS, n_req, q_len, chunk_len, n_chunks, base=0, ape_runs=None):

@@ -5,20 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_cases import Case, inv_freq_for, make_case, rel_err, rope64, tol
+from kernel_cases import cuda_fp8, fp8_case, inv_freq_for, make_case, rel_err, rope64, tol
 
 from lazyrag import kernels
 from lazyrag.kernels import reference
-
-
-def fp8_case(c: Case) -> tuple[Case, torch.Tensor, torch.Tensor, Case]:
-    """The case with e4m3 pages, their scales, and the same case over the dequantised (fp32) pages."""
-    k8, ks = kernels.quantize_fp8(c.k_pages)
-    v8, vs = kernels.quantize_fp8(c.v_pages)
-    quantised = Case(c.q, k8, v8, c.pages, c.cu, c.q_pos, c.inv_freq, c.sm_scale, c.lens)
-    plain = Case(c.q, kernels.dequantize_fp8(k8, ks), kernels.dequantize_fp8(v8, vs), c.pages, c.cu, c.q_pos,
-                 c.inv_freq, c.sm_scale, c.lens)
-    return quantised, ks, vs, plain
 
 
 def test_rows_keep_their_amax_at_448_and_come_back_within_e4m3_precision():
@@ -133,10 +123,6 @@ def test_fp8_needs_compute_capability_8_9_on_a_gpu():
     assert kernels.fp8_supported(None)  # the CPU: the reference, or Triton's interpreter
     assert kernels.fp8_supported((8, 9)) and kernels.fp8_supported((9, 0))
     assert not kernels.fp8_supported((8, 0)) and not kernels.fp8_supported((7, 5))
-
-
-def cuda_fp8() -> bool:
-    return torch.cuda.is_available() and kernels.fp8_supported(torch.cuda.get_device_capability())
 
 
 @pytest.mark.gpu

@@ -17,11 +17,6 @@ from lazyrag.serve.paged import PagePool
 from lazyrag.store import StoreMismatch
 
 
-@pytest.fixture(scope="module")
-def tiny_fp8():
-    return load_model("random:tiny", device="cpu", dtype="fp8")
-
-
 @pytest.fixture
 def fp8_store(tmp_path):
     return make_store(tmp_path, "random:tiny", chunk_tokens=32, dtype="fp8")

@@ -1,6 +1,6 @@
 """Chunk-major attention in the engine: lazy mode reads the pages its requests share once per
 step for all of them, with the same logits and the same greedy answers as reading them per
-request."""
+request, over an fp32 store and over an fp8 one."""
 
 import pytest
 import torch
@@ -15,14 +15,16 @@ from lazyrag.serve.recompute import Recompute
 from lazyrag.serve.sharing import ChunkMajor, graph_layout
 
 
-@pytest.fixture(scope="module")
-def store(tmp_path_factory, tiny):
-    return make_store(tmp_path_factory.mktemp("shared"), "random:tiny", chunk_tokens=24)
+@pytest.fixture(scope="module", params=["fp32", "fp8"])
+def stored(request, tmp_path_factory):
+    """(model, store): random:tiny and a store of its KV, in fp32 or in fp8 (e4m3 pages with their scales)."""
+    loaded = request.getfixturevalue("tiny" if request.param == "fp32" else "tiny_fp8")
+    return loaded, make_store(tmp_path_factory.mktemp("shared"), "random:tiny", chunk_tokens=24, dtype=request.param)
 
 
-def requests(store, tiny):
+def requests(store, loaded):
     """Chunks shared at different offsets, one read twice by one request, one read by one request."""
-    fmt = PromptFormat(tiny.tokenizer)
+    fmt = PromptFormat(loaded.tokenizer)
     return [request(store, fmt, "a", ["nile", "iron"], "How long is the Nile?"),
             request(store, fmt, "b", ["iron", "nile", "bach"], "Who was born in Eisenach?"),
             request(store, fmt, "c", ["tokyo"], "When?"),
@@ -44,13 +46,14 @@ def shared_calls(monkeypatch):
 
 
 @pytest.mark.parametrize("options", [dict(), dict(ape=(0.8, 1.5))], ids=["plain", "ape"])
-def test_lazy_answers_are_the_same_with_and_without_chunk_major(tiny, store, shared_calls, options):
+def test_lazy_answers_are_the_same_with_and_without_chunk_major(stored, shared_calls, options):
+    loaded, store = stored
     answers = {}
     for shared in (True, False):
-        engine = Engine(tiny, store, "lazy", cache_bytes=8 << 20, batch_size=4, stop_at_eos=False,
+        engine = Engine(loaded, store, "lazy", cache_bytes=8 << 20, batch_size=4, stop_at_eos=False,
                         shared_attention=shared, **options)
         got = answers[shared] = {}
-        engine.run(requests(store, tiny), lambda seq, got=got: got.__setitem__(seq.id, seq.generated))
+        engine.run(requests(store, loaded), lambda seq, got=got: got.__setitem__(seq.id, seq.generated))
         engine.close()
         if shared:
             assert shared_calls["prefill"] and shared_calls["decode"]
@@ -59,10 +62,11 @@ def test_lazy_answers_are_the_same_with_and_without_chunk_major(tiny, store, sha
     assert answers[True] == answers[False] and len(answers[True]) == 4
 
 
-def test_teacher_forced_logits_are_the_same_with_and_without_chunk_major(tiny, store, shared_calls):
-    reqs = requests(store, tiny)
+def test_teacher_forced_logits_are_the_same_with_and_without_chunk_major(stored, shared_calls):
+    loaded, store = stored
+    reqs = requests(store, loaded)
     continuations = [[5, 9, 11], [7], [3, 3], [12, 40]]
-    logits = [Engine(tiny, store, "lazy", cache_bytes=8 << 20, batch_size=4, shared_attention=shared,
+    logits = [Engine(loaded, store, "lazy", cache_bytes=8 << 20, batch_size=4, shared_attention=shared,
                      recompute=Recompute(0.3)).teacher_forced_logits(reqs, continuations) for shared in (True, False)]
     assert shared_calls["prefill"]
     # within fp32 rounding, not bit-equal: which requests share a step (so the shapes of the
@@ -71,18 +75,19 @@ def test_teacher_forced_logits_are_the_same_with_and_without_chunk_major(tiny, s
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
-def test_chunk_major_kernels_in_the_engine_interp(tiny, store, shared_calls):
+def test_chunk_major_kernels_in_the_engine_interp(stored, shared_calls):
     """The Triton kernels (under the interpreter) in a lazy run: prefill and decode steps of two
     requests that share both their chunks give the reference path's answers."""
+    loaded, store = stored
     if torch.cuda.is_available():
         pytest.skip("CUDA present: Triton is compiled, and the GPU tests cover the engine")
-    fmt = PromptFormat(tiny.tokenizer)
+    fmt = PromptFormat(loaded.tokenizer)
     reqs = [request(store, fmt, "a", ["nile", "iron"], "How long is the Nile?", max_new_tokens=2),
             request(store, fmt, "b", ["iron", "nile"], "Who?", max_new_tokens=2)]
     answers = []
     for backend, shared in (("reference", False), ("triton", True)):
         with kernels.cpu_backend(backend):
-            engine = Engine(tiny, store, "lazy", cache_bytes=8 << 20, batch_size=4, stop_at_eos=False,
+            engine = Engine(loaded, store, "lazy", cache_bytes=8 << 20, batch_size=4, stop_at_eos=False,
                             shared_attention=shared)
             got = {}
             engine.run(reqs, lambda seq, got=got: got.__setitem__(seq.id, seq.generated))
@@ -92,13 +97,14 @@ def test_chunk_major_kernels_in_the_engine_interp(tiny, store, shared_calls):
 
 
 @pytest.mark.parametrize("fits", [True, False])
-def test_decode_graph_step_matches_the_plain_step(tiny, store, fits):
+def test_decode_graph_step_matches_the_plain_step(stored, fits):
     """What a CUDA graph replays with chunk-major attention, checked on the CPU: the remainder
     feeds padded into a wider table, with the batch's plan in a static plan of fixed capacity
     (or, where it does not fit, the whole feeds with the static plan emptied), give the plain
     step's logits."""
-    engine = Engine(tiny, store, "lazy", cache_bytes=8 << 20, batch_size=4, shared_attention=False)
-    seqs = place(engine, requests(store, tiny)[:3])
+    loaded, store = stored
+    engine = Engine(loaded, store, "lazy", cache_bytes=8 << 20, batch_size=4, shared_attention=False)
+    seqs = place(engine, requests(store, loaded)[:3])
     for seq, token in zip(seqs, engine.runner.prefill(seqs).argmax(-1).tolist()):
         seq.generated.append(token)
     feeds = [seq.feed([seq.generated[-1]]) for seq in seqs]
@@ -117,7 +123,7 @@ def test_decode_graph_step_matches_the_plain_step(tiny, store, fits):
     copy_step(host, packed, buf, wide)
     step = StepInputs.on(buf, wide)
     step.shared = static
-    model = tiny.model
+    model = loaded.model
     hidden = model(step.tokens, step.positions, PagedAttention(engine.pool, step, model.inv_freq,
                                                                 engine.runner.sm_scale, True))
     torch.testing.assert_close(model.logits(hidden)[:3, : engine.runner.vocab], plain, rtol=1e-5, atol=1e-5)
