@@ -13,6 +13,7 @@ from lazyrag.models.prompt import PromptFormat
 from lazyrag.serve import Engine, Request
 from lazyrag.serve.paged import PAGE
 from lazyrag.serve.recompute import DEFAULT_LAYER, Policy, Recompute, choose, head_order, pages_to_recompute
+from lazyrag.serve.runner import prompt_feeds
 from lazyrag.store import Store
 
 
@@ -111,6 +112,15 @@ def test_private_pages_replace_exactly_the_chosen_shared_pages(paged_store, tiny
     got = engine.runner.prefill(place(engine, one))
     want = plain_engine.runner.prefill(place(plain_engine, one))
     assert torch.equal(got, want)
+
+
+def test_recomputed_pages_read_per_request_and_the_prompt_chunk_major(paged_store, tiny):
+    engine = Engine(tiny, paged_store, "lazy", cache_bytes=8 << 20, batch_size=4, recompute=Recompute(0.5))
+    for s in place(engine, requests(paged_store, tiny)):
+        *recomputed, prompt = prompt_feeds(s, s.placement.prompt_ids)
+        assert len(recomputed) == len(s.placement.recompute) > 0
+        assert all(f.shared is None for f in recomputed)
+        assert prompt.shared is not None and prompt.shared.any()
 
 
 def test_private_pages_are_freed_with_the_request(paged_store, tiny):
