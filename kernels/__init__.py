@@ -31,16 +31,27 @@ __all__ = ["PageTable", "lazy_prefill", "lazy_decode", "rotate_copy", "reference
            "shared_decode"]
 
 
+def _check_prefill_layout(q: Tensor, pages: PageTable, cu_seqlens_q: Tensor, q_pos: Tensor) -> None:
+    if cu_seqlens_q.dtype != torch.int32 or cu_seqlens_q.shape != (pages.batch + 1,):
+        raise ValueError(f"cu_seqlens_q must be int32 [B+1] = [{pages.batch + 1}]")
+    if q_pos.dtype != torch.int32 or q_pos.shape != (q.shape[0],):
+        raise ValueError(f"q_pos must be int32 [total_q] = [{q.shape[0]}]")
+
+
+def _check_decode_layout(q: Tensor, pages: PageTable, q_pos: Tensor) -> None:
+    if q.shape[0] != pages.batch:
+        raise ValueError(f"q has {q.shape[0]} requests, the page table {pages.batch}")
+    if q_pos.dtype != torch.int32 or q_pos.shape != (q.shape[0],):
+        raise ValueError(f"q_pos must be int32 [B] = [{q.shape[0]}]")
+
+
 def lazy_prefill(q: Tensor, k_pages: Tensor, v_pages: Tensor, pages: PageTable, cu_seqlens_q: Tensor,
                  q_pos: Tensor, inv_freq: Tensor, sm_scale: float, rotate: bool = True,
                  ape_temperature: float = 1.0, ape_scale: float = 1.0, k_scale: Tensor | None = None,
                  v_scale: Tensor | None = None, **tuning) -> Tensor:
     """Varlen prefill over paged KV with deferred RoPE (docs/kernels.md)."""
     check_attention(q, k_pages, v_pages, pages, inv_freq, ape_temperature, ape_scale, k_scale, v_scale)
-    if cu_seqlens_q.dtype != torch.int32 or cu_seqlens_q.shape != (pages.batch + 1,):
-        raise ValueError(f"cu_seqlens_q must be int32 [B+1] = [{pages.batch + 1}]")
-    if q_pos.dtype != torch.int32 or q_pos.shape != (q.shape[0],):
-        raise ValueError(f"q_pos must be int32 [total_q] = [{q.shape[0]}]")
+    _check_prefill_layout(q, pages, cu_seqlens_q, q_pos)
     return implementation(q).lazy_prefill(q, k_pages, v_pages, pages, cu_seqlens_q, q_pos, inv_freq, sm_scale,
                                           rotate, ape_temperature, ape_scale, k_scale=k_scale, v_scale=v_scale,
                                           **tuning)
@@ -52,10 +63,7 @@ def lazy_decode(q: Tensor, k_pages: Tensor, v_pages: Tensor, pages: PageTable, q
                 **tuning) -> Tensor:
     """One query token per request over paged KV, flash-decoding (docs/kernels.md)."""
     check_attention(q, k_pages, v_pages, pages, inv_freq, ape_temperature, ape_scale, k_scale, v_scale)
-    if q.shape[0] != pages.batch:
-        raise ValueError(f"q has {q.shape[0]} requests, the page table {pages.batch}")
-    if q_pos.dtype != torch.int32 or q_pos.shape != (q.shape[0],):
-        raise ValueError(f"q_pos must be int32 [B] = [{q.shape[0]}]")
+    _check_decode_layout(q, pages, q_pos)
     return implementation(q).lazy_decode(q, k_pages, v_pages, pages, q_pos, inv_freq, sm_scale, rotate,
                                          ape_temperature, ape_scale, k_scale=k_scale, v_scale=v_scale, **tuning)
 
@@ -68,10 +76,7 @@ def shared_prefill(q: Tensor, k_pages: Tensor, v_pages: Tensor, pages: PageTable
     runs they share (docs/kernels.md, "Chunk-major attention")."""
     check_attention(q, k_pages, v_pages, pages, inv_freq, ape_temperature, ape_scale, k_scale, v_scale)
     check_plan(shared, q, k_pages, decode=False)
-    if cu_seqlens_q.dtype != torch.int32 or cu_seqlens_q.shape != (pages.batch + 1,):
-        raise ValueError(f"cu_seqlens_q must be int32 [B+1] = [{pages.batch + 1}]")
-    if q_pos.dtype != torch.int32 or q_pos.shape != (q.shape[0],):
-        raise ValueError(f"q_pos must be int32 [total_q] = [{q.shape[0]}]")
+    _check_prefill_layout(q, pages, cu_seqlens_q, q_pos)
     return implementation(q).shared_prefill(q, k_pages, v_pages, pages, shared, cu_seqlens_q, q_pos, inv_freq,
                                             sm_scale, ape_temperature, ape_scale, k_scale=k_scale, v_scale=v_scale,
                                             **tuning)
@@ -84,10 +89,7 @@ def shared_decode(q: Tensor, k_pages: Tensor, v_pages: Tensor, pages: PageTable,
     runs they share (docs/kernels.md, "Chunk-major attention")."""
     check_attention(q, k_pages, v_pages, pages, inv_freq, ape_temperature, ape_scale, k_scale, v_scale)
     check_plan(shared, q, k_pages, decode=True)
-    if q.shape[0] != pages.batch:
-        raise ValueError(f"q has {q.shape[0]} requests, the page table {pages.batch}")
-    if q_pos.dtype != torch.int32 or q_pos.shape != (q.shape[0],):
-        raise ValueError(f"q_pos must be int32 [B] = [{q.shape[0]}]")
+    _check_decode_layout(q, pages, q_pos)
     return implementation(q).shared_decode(q, k_pages, v_pages, pages, shared, q_pos, inv_freq, sm_scale,
                                            ape_temperature, ape_scale, k_scale=k_scale, v_scale=v_scale, **tuning)
 
