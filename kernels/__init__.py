@@ -4,7 +4,7 @@
 rotate the query by each page's delta inside the kernel, so one stored copy of a chunk serves
 every request at every offset (optionally with APE's temperature and scale on a range of each
 request's entries); ``shared_prefill`` and ``shared_decode`` do the same chunk-major, reading
-each page that several requests share once for all of them (``group_shared``, ``plan_shared``);
+each chunk page once per step for every request using it (``group_shared``, ``plan_shared``);
 ``rotate_copy`` re-rotates pages for the block baseline. Pages are fp16, bf16,
 fp32, or float8 e4m3 with a scale per (token, KV head) (``quantize_fp8``). CUDA
 tensors run the Triton kernels, CPU tensors the PyTorch ``reference`` (or, inside

@@ -223,9 +223,10 @@ def answer(
                                      help="On a GPU, replay decode steps from CUDA graphs captured at start "
                                           "(--eager launches every kernel from Python: slower, for debugging)."),
     shared_attention: bool = typer.Option(AnswerConfig.shared_attention, "--shared-attention/--no-shared-attention",
-                                          help="lazy: each step reads the chunk pages its requests share once for "
-                                               "all of them (chunk-major attention); --no-shared-attention reads "
-                                               "them per request (answers equal up to bf16 rounding; for comparison)."),
+                                          help="lazy: each step reads each chunk page once for every request using "
+                                               "it (chunk-major attention; a recomputed page reads its pages per "
+                                               "request); --no-shared-attention reads them all per request (answers "
+                                               "equal up to bf16 rounding; for comparison)."),
     audit: int = typer.Option(AnswerConfig.audit, min=0, metavar="N",
                               help="Answer a seeded sample of N queries also in full attention and record how far "
                                    "this mode is from it: identical answers, token F1 to full, mean KL(full || mode) "

@@ -71,7 +71,7 @@ class AnswerConfig:
     seed: int = 0
     prefetch: int = 64            # queries to look ahead when prefetching chunks
     cuda_graphs: bool = True      # replay decode steps from CUDA graphs (GPU only)
-    shared_attention: bool = True  # lazy: read the pages a step's requests share once for all (chunk-major)
+    shared_attention: bool = True  # lazy: read each chunk page once per step for every request using it (chunk-major)
     trust_remote_code: bool = False
     audit: int = 0                # queries of the run also answered in full, to measure the gap to it
     # share of the chunk pages after the first chunk recomputed per request, and which: the smallest

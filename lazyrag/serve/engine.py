@@ -38,7 +38,7 @@ class Engine:
                  ape: tuple[float, float] = (1.0, 1.0), shared_attention: bool = True):
         """ape: APE's (temperature, scale) on the attention from each request's own tokens to
         its chunk pages, lazy and block only; (1, 1) is off. shared_attention: in lazy mode, each
-        step reads the pages several of its requests share once for all of them (chunk-major
+        step reads each chunk page once for every request of the step that uses it (chunk-major
         attention, lazyrag/serve/sharing.py), fp8 pools included; otherwise per request."""
         mode_class = select_mode(mode)
         kernels.check_ape(*ape)

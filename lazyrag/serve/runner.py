@@ -73,8 +73,8 @@ class AttentionProbe:
 
 class Runner:
     """ape: APE's (temperature, scale) on the attention from each request's own tokens to its
-    chunk pages (Feed.ape_rows); (1, 1) is off. chunk_major: lazy steps read the pages several
-    requests share once for all of them (lazyrag/serve/sharing.py); None: per request."""
+    chunk pages (Feed.ape_rows); (1, 1) is off. chunk_major: lazy steps read each chunk page once
+    for every request using it (lazyrag/serve/sharing.py); None: per request."""
 
     def __init__(self, loaded: LoadedModel, pool: PagePool, rotate_queries: bool,
                  ape: tuple[float, float] = (1.0, 1.0), chunk_major: ChunkMajor | None = None):
