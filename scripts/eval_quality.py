@@ -139,13 +139,13 @@ def write_jsonl(path: Path, rows: list[dict]) -> None:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
-def musique_queries(args) -> list[dict]:
-    """The selection half (questions 1-75) and the reported half (76-150), the first
-    --per-split of each."""
+def musique_queries(args, selection: bool = True) -> list[dict]:
+    """The first --per-split of the selection half (questions 1-75, unless `selection` is
+    False) and of the reported half (76-150)."""
     src = args.data / "musique"
     queries = jsonl(src / "queries.jsonl")
     half = len(queries) // 2
-    queries = queries[:half][: args.per_split] + queries[half:][: args.per_split]
+    queries = queries[:half][: args.per_split] * selection + queries[half:][: args.per_split]
     needed = {d for q in queries for d in q["docs"]}
     write_jsonl(args.work / "musique-corpus.jsonl", [d for d in jsonl(src / "corpus.jsonl") if d["id"] in needed])
     return queries
@@ -185,8 +185,8 @@ class Split:
 
 
 def splits_of(corpus: str, queries: list[dict], loaded: LoadedModel, args, halves: bool) -> list[Split]:
-    """The corpus indexed once, its questions as requests: MuSiQue in two halves (selection,
-    report) with gold answers, news whole."""
+    """The corpus indexed once, its questions as requests: MuSiQue with gold answers, in two
+    halves (selection, report) or, with halves False, the reported half alone; news whole."""
     path = args.work / f"{corpus}.jsonl"
     write_jsonl(path, queries)
     store_path = args.work / f"{corpus}.zarr"
@@ -196,9 +196,11 @@ def splits_of(corpus: str, queries: list[dict], loaded: LoadedModel, args, halve
     fmt = PromptFormat(loaded.tokenizer)
     qs = list(read_queries(path, print))
     reqs = [Request(q.id, resolve_chunks(store, q, None, 5), fmt.question_ids(q.question), FORCED_TOKENS) for q in qs]
-    gold = [fmt.encode(q.answers[0]) for q in qs] if halves else None  # the answer opens the assistant turn
+    if corpus == "news":
+        return [Split(f"{corpus}-1-{len(reqs)}", f"news, {len(reqs)} questions", store, reqs, None)]
+    gold = [fmt.encode(q.answers[0]) for q in qs]  # the answer opens the assistant turn
     if not halves:
-        return [Split(f"{corpus}-1-{len(reqs)}", f"news, {len(reqs)} questions", store, reqs, gold)]
+        return [Split(f"{corpus}-report", f"MuSiQue questions 76-{75 + len(reqs)}", store, reqs, gold)]
     k = (len(reqs) + 1) // 2
     return [Split(f"{corpus}-select", f"MuSiQue questions 1-{k} (selection)", store, reqs[:k], gold[:k]),
             Split(f"{corpus}-report", f"MuSiQue questions 76-{75 + len(reqs) - k}", store, reqs[k:], gold[k:])]
@@ -316,7 +318,8 @@ def measure(cfg: Config, split: Split, ref: dict, loaded: LoadedModel, args) -> 
     engine = None
     try:
         for b in range(0, len(split.requests), args.batch_size):
-            path = folder / f"{b}.json"
+            # named by the questions it holds: a longer run of the same split reuses whole batches
+            path = folder / f"{b}-{min(b + args.batch_size, len(split.requests))}.json"
             if not path.exists():
                 engine = engine or cfg.engine(loaded, split.store, args)
                 path.write_text(json.dumps(measure_batch(engine, split, ref, loaded, b, args.batch_size)))
@@ -423,9 +426,8 @@ def report(res: dict) -> str:
              f"{h['date']}; model {h['model']}; device {h['device']}; torch {h['versions']['torch']}, "
              f"transformers {h['versions']['transformers']}; greedy, {h['forced_tokens']} new tokens at most; "
              f"batch {h['batch_size']}.", ""]
-    if "header_news" in res:
-        n = res["header_news"]
-        lines += [f"News split measured again: `{n['command']}`, {n['date']}, device {n['device']}.", ""]
+    for name, n in res.get("held_out", {}).items():
+        lines += [f"The {name} split measured again: `{n['command']}`, {n['date']}, device {n['device']}.", ""]
     if "default" in res:
         d = res["default"]
         lines += [f"Default chosen on the selection questions: F={d['fraction']:g}, policy {d['policy']}: {d['why']}.", ""]
@@ -452,6 +454,9 @@ def run_split(split: Split, configs: list[Config], loaded: LoadedModel, args, re
 
 
 def save(res: dict) -> None:
+    order = ["musique-select", "musique-report", "news"]  # selection, then the reported splits
+    res["splits"] = dict(sorted(res["splits"].items(), key=lambda kv: next(
+        (i for i, name in enumerate(order) if kv[0].startswith(name)), len(order))))
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "quality-recompute.json").write_text(json.dumps(res, indent=1))
     (RESULTS / "quality-recompute.md").write_text(report(res))
@@ -470,21 +475,23 @@ def main() -> None:
     ap.add_argument("--cache-gb", type=float, default=5.0, help="page pool: 16 MuSiQue prompts of fp32 KV need ~5 GB")
     ap.add_argument("--lean", action="store_true", help="on the reported questions lazy alone, at F=0 and "
                     "the default (block and APE are measured on the selection questions): for a slow CPU")
-    ap.add_argument("--news-only", action="store_true", help="only the news split, lazy at F=0 and at the default "
-                    "already chosen in docs/results/quality-recompute.json, whose MuSiQue tables are kept: more news "
-                    "questions without measuring MuSiQue again")
+    ap.add_argument("--held-out", choices=["news", "musique"], help="only this reported split (news, or MuSiQue "
+                    "76-150), lazy at F=0 and at the default already chosen in docs/results/quality-recompute.json, "
+                    "whose other tables are kept: more reported questions without choosing the default again")
     args = ap.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     points = parse_grid(args.grid)
 
     loaded = load_model(DEFAULT_MODEL, args.device)
-    if args.news_only:
+    if args.held_out:
         res = json.loads((RESULTS / "quality-recompute.json").read_text())
-        res["header_news"] = header(args)
-        res["splits"] = {k: v for k, v in res["splits"].items() if not k.startswith("news")}  # replaced, not kept
+        res.setdefault("held_out", {})[args.held_out] = header(args)
+        name = "news" if args.held_out == "news" else "musique-report"
+        res["splits"] = {k: v for k, v in res["splits"].items() if not k.startswith(name)}  # replaced, not kept
+        queries = news_queries(args) if args.held_out == "news" else musique_queries(args, selection=False)
+        (split,) = splits_of(args.held_out, queries, loaded, args, halves=False)
         d = res["default"]
-        (news,) = splits_of("news", news_queries(args), loaded, args, halves=False)
-        run_split(news, at_default(Config(Mode.LAZY.value, d["fraction"], d["policy"]), lean=True), loaded, args, res)
+        run_split(split, at_default(Config(Mode.LAZY.value, d["fraction"], d["policy"]), lean=True), loaded, args, res)
         print(report(res))
         return
     res = {"header": header(args), "splits": {}}
