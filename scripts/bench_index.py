@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Indexing speed against its two ceilings, measured in the same run:
   bare forward  the model over the same chunks in the same batches, nothing written
-  disk          `dd oflag=direct` sequential write to the store's filesystem, as tokens/s of KV
+  disk          `dd oflag=direct` sequential writes to the store's filesystem, one at a time and as many
+                at once as index's writer threads (the better of the two), as tokens/s of KV
 Target: index tokens/s >= 90% of the lesser. Also: store bytes on disk against raw KV bytes.
 
 Usage: python scripts/bench_index.py --model random:llama3-8b --dtype bf16 --docs 64 --doc-tokens 2048
@@ -14,7 +15,6 @@ import argparse
 import json
 import os
 import random
-import re
 import subprocess
 import tempfile
 import time
@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-from lazyrag.commands.index import ChunkEncoder, build_index, page_batches, pages_per_batch, store_settings, \
-    stored_chunks
+from lazyrag.commands.index import WRITER_THREADS, ChunkEncoder, build_index, page_batches, pages_per_batch, \
+    store_settings, stored_chunks
 from lazyrag.config import IndexConfig
 from lazyrag.corpus import read_corpus
 from lazyrag.models import load_model
@@ -45,17 +45,19 @@ def synthetic_corpus(path: Path, docs: int, chars: int) -> None:
             fh.write(json.dumps({"id": f"d{i}", "text": text}) + "\n")
 
 
-def disk_write_mb_s(directory: Path, mb: int) -> float:
-    target = directory / "dd.bin"
-    proc = subprocess.run(["dd", "if=/dev/zero", f"of={target}", "bs=16M", f"count={max(1, mb // 16)}",
-                           "oflag=direct", "conv=fsync"], capture_output=True, text=True)
-    target.unlink(missing_ok=True)
-    m = re.search(r"([\d.,]+) s, ([\d.,]+) ([kMG])B/s", proc.stderr)
-    if not m:
-        return float("nan")
-    secs = float(m.group(1).replace(",", "."))
-    copied = max(1, mb // 16) * 16 * 2**20
-    return copied / secs / 1e6
+def disk_write_mb_s(directory: Path, mb: int, streams: int = 1) -> float:
+    """The disk's sequential write speed: `mb` MB in all, `dd oflag=direct conv=fsync` in `streams`
+    processes at once (index writes that many segments at a time)."""
+    count = max(1, mb // 16 // streams)
+    targets = [directory / f"dd{i}.bin" for i in range(streams)]
+    t = time.perf_counter()
+    procs = [subprocess.Popen(["dd", "if=/dev/zero", f"of={p}", "bs=16M", f"count={count}", "oflag=direct",
+                               "conv=fsync"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for p in targets]
+    ok = all(p.wait() == 0 for p in procs)
+    secs = time.perf_counter() - t
+    for p in targets:
+        p.unlink(missing_ok=True)
+    return streams * count * 16 * 2**20 / secs / 1e6 if ok else float("nan")
 
 
 def main() -> None:
@@ -103,7 +105,10 @@ def main() -> None:
         per_token = store.settings.row_bytes  # as stored: an fp8 row carries its scales
         kv_dtype = store.settings.kv_dtype
     raw = summary["padded_tokens"] * per_token
-    disk_mb_s = disk_write_mb_s(root, min(4096, max(256, raw // 2**20)))
+    mb = min(4096, max(256, raw // 2**20))
+    disk_1 = disk_write_mb_s(root, mb)
+    disk_n = disk_write_mb_s(root, mb, WRITER_THREADS)
+    disk_mb_s = max(disk_1, disk_n)  # the disk's own speed: the better of one writer and index's count
     disk_tok_s = disk_mb_s * 1e6 / per_token
     bare_tok_s, index_tok_s = tokens / bare_s, tokens / index_s
     bound = min(bare_tok_s, disk_tok_s)
@@ -113,7 +118,8 @@ def main() -> None:
         ("chunks / tokens", f"{len(chunks)} / {tokens:,}"),
         ("KV per token", f"{per_token / 1024:.0f} KiB"),
         ("bare forward", f"{bare_tok_s:,.0f} tok/s"),
-        ("disk write (dd oflag=direct)", f"{disk_mb_s:,.0f} MB/s = {disk_tok_s:,.0f} tok/s of KV"),
+        (f"disk write (dd oflag=direct, 1 / {WRITER_THREADS} at once)",
+         f"{disk_1:,.0f} / {disk_n:,.0f} MB/s; the better = {disk_tok_s:,.0f} tok/s of KV"),
         ("index (build_index, model loaded)", f"{index_tok_s:,.0f} tok/s"),
         ("index / min(forward, disk)", f"{index_tok_s / bound:.1%} (target >= 90%)"),
         ("where index's time went", f"{index_s:.1f} s; the model waited {result.write_wait_s:.1f} s for writers "
