@@ -72,9 +72,10 @@ class DecodeGraphs:
             logits = forward()
         return graph, buf, layout, logits
 
-    def run(self, feeds: list[Feed]) -> torch.Tensor | None:
+    def run(self, feeds: list[Feed], tokens: torch.Tensor | None = None) -> torch.Tensor | None:
         """Logits of each feed's token, or None where no graph fits (the caller runs eagerly).
-        The logits live in the graph's output: the next replay overwrites them."""
+        tokens: the feeds' token ids on the device, in place of their own. The logits live in the
+        graph's output: the next replay overwrites them."""
         bs = min((b for b in self._graphs if b >= len(feeds)), default=None)
         if bs is None:
             return None
@@ -85,5 +86,7 @@ class DecodeGraphs:
             return None
         graph, buf, layout, logits = self._graphs[bs]
         copy_step(host.to(self.device, non_blocking=True), packed, buf, layout)
+        if tokens is not None:
+            layout.views(buf).tokens[: len(tokens)].copy_(tokens)
         graph.replay()
         return logits[: len(feeds)]

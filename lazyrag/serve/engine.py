@@ -5,6 +5,11 @@ The engine composes the parts: the page pool and the chunk cache that allocates 
 (lazyrag/serve/modes.py), the scheduler that picks each step's batch, the runner
 that runs the model, and the sampler. Its loop runs the scheduler's steps and hands
 each finished request back to the caller.
+
+While a batch only decodes, the loop launches the next step before it reads the tokens of the
+one before: the sampled ids feed the next step on the device, and the host takes them, and
+builds the step after, while the GPU runs (otherwise the GPU waits for the host at every step).
+A request that stops at a stop token has then run one step too many: that token is dropped.
 """
 
 from __future__ import annotations
@@ -29,6 +34,23 @@ from lazyrag.serve.sampler import Sampler, Sampling
 from lazyrag.serve.scheduler import OnError, Scheduler
 from lazyrag.serve.sharing import ChunkMajor
 from lazyrag.store import Store, StoreMismatch, torch_dtype
+
+
+class Sampled:
+    """A step's sampled ids on the device, and their copy to the host, started at once so that
+    reading them later waits for that step only (not for the steps launched after it)."""
+
+    def __init__(self, ids: torch.Tensor):
+        self.ids = ids
+        self._host = ids.to("cpu", non_blocking=True)  # pinned memory, for a CUDA source
+        self._ready = torch.cuda.Event() if ids.is_cuda else None
+        if self._ready is not None:
+            self._ready.record()
+
+    def read(self) -> list[int]:
+        if self._ready is not None:
+            self._ready.synchronize()
+        return self._host.tolist()
 
 
 class Engine:
@@ -83,13 +105,30 @@ class Engine:
             if step.prefill:
                 self._choose_recompute(step.batch)
             logits = self.runner.prefill(step.batch) if step.prefill else self.runner.decode(step.batch)
-            next_ids = self.sampler.sample(logits, [seq.id for seq in step.batch],
-                                           [len(seq.generated) for seq in step.batch]).tolist()  # one sync per step
-            now = time.perf_counter()
-            for seq, token in zip(step.batch, next_ids):
-                seq.accept(token, now, self.stop_ids)
-            for seq in scheduler.retire():
+            sampled = self._sample(step.batch, logits, pending=0)
+            while scheduler.decodes_next(step.batch, pending=1):
+                logits = self.runner.decode(step.batch, sampled.ids)
+                following = self._sample(step.batch, logits, pending=1)
+                self._accept(step.batch, sampled)  # waits for the step before only: this one runs meanwhile
+                sampled = following
+                if any(seq.finished for seq in step.batch):
+                    break  # a stop token: the sequence leaves once the step in flight is done
+            self._accept(step.batch, sampled)
+            for seq in scheduler.retire():  # nothing in flight: their pages can be handed on
                 on_finish(seq)
+
+    def _sample(self, batch: list[Sequence], logits: torch.Tensor, pending: int) -> "Sampled":
+        """The next token of each sequence, still on the device; `pending` of each one's tokens are
+        sampled but not yet accepted (the sampler's step number counts them)."""
+        ids = self.sampler.sample(logits, [seq.id for seq in batch], [len(seq.generated) + pending for seq in batch])
+        return Sampled(ids)
+
+    def _accept(self, batch: list[Sequence], sampled: "Sampled") -> None:
+        ids = sampled.read()
+        now = time.perf_counter()
+        for seq, token in zip(batch, ids):
+            if not seq.finished:  # finished at a stop token while this step was in flight
+                seq.accept(token, now, self.stop_ids)
 
     def teacher_forced_logits(self, requests: list[Request], continuations: list[list[int]]) -> list[torch.Tensor]:
         """Per request, the float32 CPU logits [len(continuation), vocab] that predict each

@@ -52,7 +52,7 @@ class AttentionProbe:
             return out
         at = self.attention
         ps = at.pool.page_size
-        cu = at.step.cu_seqlens.tolist()
+        cu = np.cumsum([0] + [len(f.tokens) for f in self.feeds]).tolist()  # from the host: no wait on the GPU
         for b, f in enumerate(self.feeds):
             rows = torch.as_tensor(f.rows[: f.n_context + pages_for(f.first + len(f.tokens), ps)], device=q.device)
             j = torch.arange(ps, device=q.device)
@@ -63,11 +63,12 @@ class AttentionProbe:
             keys = kernels.rope(keys, delta, at.inv_freq)  # moved from their stored to their logical positions
             qb, qpos = q[cu[b]: cu[b + 1]].float(), at.step.positions[cu[b]: cu[b + 1]]
             qb = kernels.rope(qb, qpos, at.inv_freq)
-            group = qb.shape[1] // keys.shape[1]
-            scores = torch.einsum("thd,nhd->htn", qb, keys.repeat_interleave(group, 1)) * at.sm_scale
-            hidden = ~valid[None, None, :] | (key_pos[None, None, :] > qpos[None, :, None])
-            weights = torch.softmax(scores.masked_fill(hidden, float("-inf")), -1).sum((0, 1))
-            self.mass.append(weights.view(len(rows), ps).sum(1).cpu())
+            t, kv_heads = qb.shape[0], keys.shape[1]
+            qb = qb.view(t, kv_heads, qb.shape[1] // kv_heads, qb.shape[2])  # a KV head's query heads together
+            scores = torch.einsum("tkgd,nkd->kgtn", qb, keys) * at.sm_scale
+            hidden = ~valid[None, :] | (key_pos[None, :] > qpos[:, None])
+            weights = torch.softmax(scores.masked_fill(hidden, float("-inf")), -1).sum((0, 1, 2))
+            self.mass.append(weights.view(len(rows), ps).sum(1))  # on the device: one transfer for all feeds
         raise self.Done
 
 
@@ -93,17 +94,22 @@ class Runner:
                                    batch_size, max_pages, pad_page * self.pool.page_size, self.ape, self.chunk_major)
 
     def forward(self, feeds: list[Feed], select: torch.Tensor | None = None,
-                rotate_queries: bool | None = None) -> torch.Tensor:
+                rotate_queries: bool | None = None, tokens: torch.Tensor | None = None) -> torch.Tensor:
         """One eager step. Returns the logits of each feed's last token, or of the packed token
-        indices in `select`. rotate_queries: the mode's unless given."""
+        indices in `select`. rotate_queries: the mode's unless given. tokens: the step's token
+        ids on the device, in place of the feeds' own."""
         rotate = self.rotate_queries if rotate_queries is None else rotate_queries
         if rotate and self.chunk_major:
             step = self.chunk_major.upload(feeds, self.pool.page_size)
         else:
             step = StepInputs.upload(feeds, self.pool.page_size, self.device)
+        if tokens is not None:
+            step.tokens[: len(tokens)].copy_(tokens)
         attention = PagedAttention(self.pool, step, self.model.inv_freq, self.sm_scale, rotate, self.ape)
         hidden = self.model(step.tokens, step.positions, attention, key_positions=step.key_positions)
-        rows = step.cu_seqlens[1:] - 1 if select is None else select.to(self.device)
+        if select is not None and self.device.type == "cuda":  # a pageable copy would wait for the GPU
+            select = select.pin_memory()
+        rows = step.cu_seqlens[1:] - 1 if select is None else select.to(self.device, non_blocking=True)
         return self.model.logits(hidden[rows])[:, : self.vocab]
 
     def prefill(self, seqs: list[Sequence]) -> torch.Tensor:
@@ -118,12 +124,13 @@ class Runner:
             s.fed += len(s.placement.prompt_ids)
         return logits
 
-    def decode(self, seqs: list[Sequence]) -> torch.Tensor:
-        """Feed each sequence's last generated token; the logits of the next."""
-        feeds = [s.feed([s.generated[-1]]) for s in seqs]
-        logits = self.graphs.run(feeds) if self.graphs else None
+    def decode(self, seqs: list[Sequence], tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """Feed each sequence's last generated token, or the ids `tokens` (on the device, one a
+        sequence: sampled, not yet read back); the logits of the next."""
+        feeds = [s.feed([s.generated[-1] if tokens is None else 0]) for s in seqs]
+        logits = self.graphs.run(feeds, tokens) if self.graphs else None
         if logits is None:
-            logits = self.forward(feeds)
+            logits = self.forward(feeds, tokens=tokens)
         else:
             logits = logits[:, : self.vocab]  # the graph computes the model's padded vocabulary
         self._advance(seqs, feeds)
@@ -158,7 +165,8 @@ class Runner:
             self.model(step.tokens, step.positions, probe, key_positions=step.key_positions)
         except AttentionProbe.Done:
             pass
-        return probe.mass
+        sizes = [len(m) for m in probe.mass]
+        return list(torch.cat(probe.mass).cpu().split(sizes)) if sizes else []
 
     def rotate_copy(self, copies: list[ChunkCopy]) -> None:
         """Every layer's pages of every chunk in one fused launch (fp8 keys requantised in the same pool)."""

@@ -63,8 +63,7 @@ class Scheduler:
         While nothing can run before the next arrival (an open-loop workload), it sleeps until
         then; while an open stream has nothing yet, it asks again every OPEN_STREAM_POLL_S."""
         while True:
-            stream_idle = self._refill()
-            self.cache.prefetch([c for seq in self.waiting for c in self.mode.cached_chunks(seq.request)])
+            stream_idle = self._read_ahead()
             admitted = self._admit(time.perf_counter())
             if admitted:
                 return Step(admitted, prefill=True)
@@ -77,6 +76,16 @@ class Scheduler:
                     time.sleep(OPEN_STREAM_POLL_S)
                 continue  # take what arrived since, or the next ones when every waiting sequence failed
             time.sleep(max(0.0, self.waiting[0].arrival - time.perf_counter()))
+
+    def decodes_next(self, batch: list[Sequence], pending: int) -> bool:
+        """Whether the step after `batch`'s is certainly a decode of the same batch, known before
+        its last `pending` sampled tokens are read: it is every running sequence, none ends by
+        length with those tokens, and nobody could be admitted (the batch is full or nobody
+        waits). A stop token among them is seen only later. Reads ahead as schedule does."""
+        self._read_ahead()
+        return (len(batch) == len(self.running) and all(a is b for a, b in zip(batch, self.running))
+                and all(not seq.finished and len(seq.generated) + pending < seq.max_new_tokens for seq in batch)
+                and (len(self.running) >= self.batch_size or not self.waiting))
 
     def fits(self, seq: Sequence) -> bool:
         """Whether the pool can take the sequence now (counting pages LRU eviction could free)."""
@@ -94,6 +103,13 @@ class Scheduler:
         for seq in seqs:
             self.running.remove(seq)
             seq.placement.release(self.cache)
+
+    def _read_ahead(self) -> bool:
+        """Take arrived sequences and start reading the chunks they need, in need order; True when
+        the source said nothing has arrived yet."""
+        stream_idle = self._refill()
+        self.cache.prefetch([c for seq in self.waiting for c in self.mode.cached_chunks(seq.request)])
+        return stream_idle
 
     def _refill(self) -> bool:
         """Take arrived sequences up to the lookahead; True when the source said nothing has arrived yet."""

@@ -10,6 +10,7 @@ from serve_stores import make_store, place, request
 from lazyrag.config import Mode
 from lazyrag.models.prompt import PromptFormat
 from lazyrag.serve import Engine
+from lazyrag.serve.sampler import Sampler, Sampling
 from lazyrag.serve.paged import DELTA, PAGE
 
 
@@ -160,6 +161,38 @@ def test_run_hands_back_each_finished_request(tmp_path, tiny):
     assert [(by_id[i].hits, by_id[i].misses) for i in "123"] == [(0, n_nile + n_iron), (n_iron, 0), (n_nile, 0)]
     chunk_pages = sum(engine.pool.pages_for(c.padded_length) for c in reqs[0].chunks)
     assert engine.pool.used - used0 == chunk_pages  # only the chunks stay
+
+
+def test_a_stop_token_ends_the_answer_while_the_next_step_runs(tmp_path, tiny):
+    """Decode steps are launched before the tokens of the step before are read: each token is
+    still drawn at its own step number, and an answer that reaches a stop token has run one step
+    too many, whose token must not join it, while the other answers go on as they would have.
+    Sampled at temperature 1: the random model's greedy answers repeat one token."""
+    store = make_store(tmp_path, "random:tiny", chunk_tokens=48)
+    fmt = PromptFormat(tiny.tokenizer)
+    sampling = Sampling(temperature=1.0, seed=3)
+    reqs = [request(store, fmt, "1", ["nile", "iron"], "Q one?", 8), request(store, fmt, "2", ["iron"], "Q two?", 8),
+            request(store, fmt, "3", ["bach", "nile"], "When was Bach born?", 8)]
+
+    def answers(stop_ids):
+        engine = Engine(tiny, store, "lazy", cache_bytes=8 << 20, batch_size=3, stop_at_eos=False, sampling=sampling)
+        engine.stop_ids = stop_ids
+        done = {}
+        engine.run(reqs, lambda seq: done.__setitem__(seq.id, list(seq.generated)))
+        return engine, done
+
+    engine, free = answers(set())
+    for r, logits in zip(reqs, engine.teacher_forced_logits(reqs, [free[r.id] for r in reqs])):
+        drawn = Sampler(sampling).sample(logits, [r.id] * len(logits), list(range(len(logits))))
+        assert drawn.tolist() == free[r.id], r.id
+    engine.close()
+    stop = free["1"][3]
+    assert free["1"][4] != stop
+    engine, stopped = answers({stop})
+    engine.close()
+    for rid, tokens in free.items():
+        assert stopped[rid] == tokens[: tokens.index(stop) if stop in tokens else len(tokens)], rid
+    assert len(stopped["1"]) == 3 and len(stopped["2"]) == 8
 
 
 def test_continuation_logprobs_do_not_depend_on_the_batching(tmp_path, tiny):

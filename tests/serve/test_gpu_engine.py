@@ -95,6 +95,10 @@ def test_cuda_graph_decode_matches_eager(setup, mode):
     for _ in range(3):
         feeds = [r.feed([r.generated[-1]]) for r in reqs]
         replayed = runner.graphs.run(feeds)[:, : runner.vocab].float().clone()
+        # the same step with the token ids on the device (sampled, not read back): the same numbers
+        ids = torch.tensor([r.generated[-1] for r in reqs], device=loaded.device)
+        on_device = runner.graphs.run([r.feed([0]) for r in reqs], ids)[:, : runner.vocab].float()
+        assert torch.equal(on_device, replayed)
         # the same padded batch run eagerly: the same matmul shapes, so close to bit-exact
         host, packed = pack_step(feeds, engine.pool.page_size, batch=4, pad_slot=runner.graphs.pad_slot)
         step = StepInputs.on(host.to(loaded.device), packed)
@@ -104,6 +108,7 @@ def test_cuda_graph_decode_matches_eager(setup, mode):
         # the plain step: other matmul shapes, so bf16 rounding differs a little
         eager = runner.forward(feeds).float()
         assert rel(replayed, eager) < 3e-2
+        assert torch.equal(runner.forward([r.feed([0]) for r in reqs], tokens=ids).float(), eager)
         for r, t in zip(reqs, eager.argmax(-1).tolist()):
             r.generated.append(t)
             r.fed += 1

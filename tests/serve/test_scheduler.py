@@ -41,6 +41,33 @@ def test_admits_in_arrival_order_up_to_the_batch_size_then_decodes():
     assert [s.id for s in sched.running] == ["0", "2"]
 
 
+def test_decodes_next_only_when_the_same_batch_certainly_decodes_again():
+    seqs = [sequence(str(i), [A], QUESTION, 3) for i in range(3)]
+    sched, _, _ = setup(32, seqs, batch_size=2)
+    step = sched.schedule()
+    assert [s.id for s in step.batch] == ["0", "1"] and [s.id for s in sched.waiting] == ["2"]
+    assert sched.decodes_next(step.batch, pending=1)  # the batch is full: nobody can be admitted
+    assert not sched.decodes_next(step.batch[:1], pending=1)  # not the whole running batch
+    for s in step.batch:
+        s.generated = [5]
+    assert sched.decodes_next(step.batch, pending=1)  # with the pending token: 2 of 3
+    seqs[1].generated = [5, 6]
+    assert not sched.decodes_next(step.batch, pending=1)  # its pending token is its last
+    seqs[1].generated = [5]
+    finish(seqs[0])  # a stop token
+    assert not sched.decodes_next(step.batch, pending=1)
+
+
+def test_decodes_next_not_while_a_waiting_request_could_be_admitted():
+    first, second = sequence("1", [A], QUESTION, 4), sequence("2", [B], QUESTION, 4)
+    sched, _, _ = setup(5, [first, second])  # the second does not fit beside the first
+    step = sched.schedule()
+    assert [s.id for s in step.batch] == ["1"] and not sched.decodes_next(step.batch, pending=1)
+    sched2, _, _ = setup(32, [sequence("3", [A], QUESTION, 4)])
+    step = sched2.schedule()
+    assert sched2.decodes_next(step.batch, pending=1)  # room in the batch, but nobody waits
+
+
 def test_fit_counts_resident_chunks_and_pages_eviction_could_free():
     # 8 pages: preamble 1, then a request with one chunk needs 2 + 1
     sched, cache, _ = setup(8, [])
