@@ -16,6 +16,7 @@ Usage: python scripts/bench_e2e.py [--models random:llama3.2-1b,random:llama3-8b
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -85,9 +86,10 @@ def build_store(model: str, root: Path, page_size: int, kv_dtype: str = "auto") 
 
 
 def run(engine_args: dict, loaded, store, mode: str, prompts, questions, cache_gb: float, batch_size: int,
-        arrivals: list[float] | None = None, warm: bool = False) -> dict:
+        arrivals: list[float] | None = None, warm: bool = False, timed=contextlib.nullcontext) -> dict:
     """One timed run on a fresh engine. warm: first answer the same requests once, untimed, so
-    the timed pass finds the cache as a long-running server would (no first reads from disk)."""
+    the timed pass finds the cache as a long-running server would (no first reads from disk).
+    timed: a context manager around the timed pass alone (the profiler)."""
     from lazyrag.eval import scoring as metrics
     from lazyrag.serve import Engine, Request
 
@@ -105,10 +107,11 @@ def run(engine_args: dict, loaded, store, mode: str, prompts, questions, cache_g
         engine.run(requests(0.0), lambda r: None, lookahead=64)
         engine.cache.reset_counters()
     sync()
-    t0 = time.perf_counter()
-    engine.run(requests(t0), done.append, lookahead=64)
-    sync()
-    seconds = time.perf_counter() - t0
+    with timed():
+        t0 = time.perf_counter()
+        engine.run(requests(t0), done.append, lookahead=64)
+        sync()
+        seconds = time.perf_counter() - t0
     c = engine.cache.counters
     engine.close()
     out_tokens = sum(len(r.generated) for r in done)
@@ -174,8 +177,8 @@ def batch_sweep(kw: dict, loaded, store, prompts, questions, cache_gb: float, ar
     configs += [(m, f, False, True) for f in args.recompute for m in ("lazy", "block") if (m, f) != ("lazy", 0.0)]
     if args.per_request_too:
         configs += [("lazy", f, False, False) for f in args.recompute if f]
-    if args.warm:  # the same lazy and block runs on a cache warmed by one untimed pass
-        configs += [(m, f, True, shared) for m, f, _, shared in configs if m != "full"]
+    if args.warm:  # the runs without recompute again, on a cache warmed by one untimed pass
+        configs += [(m, f, True, shared) for m, f, _, shared in configs if m != "full" and not f]
     rows = []
     for mode, fraction, warm, shared in configs:
         n = min(len(prompts), args.full_requests) if mode == "full" else len(prompts)
@@ -220,13 +223,14 @@ def sweep_table(results: list[dict]) -> str:
 
 
 def profile_run(engine_args: dict, loaded, store, mode: str, prompts, questions, cache_gb: float,
-                batch_size: int, model: str) -> dict:
-    """One closed run under torch.profiler: where the time goes (GPU busy share, top kernels)."""
+                batch_size: int, model: str, warm: bool = False) -> dict:
+    """One closed run under torch.profiler: where the time goes (GPU busy share, top kernels).
+    warm: the timed pass of a warm run (run's `warm`) alone is profiled."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        r = run(engine_args, loaded, store, mode, prompts, questions, cache_gb, batch_size)
-    from torch.autograd import DeviceType
+    prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+    r = run(engine_args, loaded, store, mode, prompts, questions, cache_gb, batch_size, warm=warm, timed=lambda: prof)
 
     # device-side events only (kernels, memcpys): a CPU op's device time repeats its kernels'
     events = prof.key_averages()
@@ -235,7 +239,7 @@ def profile_run(engine_args: dict, loaded, store, mode: str, prompts, questions,
     top = sorted(kernels, key=lambda e: e.self_device_time_total, reverse=True)[:12]
     host = sorted((e for e in events if e.device_type == DeviceType.CPU), key=lambda e: e.self_cpu_time_total,
                   reverse=True)[:12]
-    summary = {"seconds": r["seconds"], "gpu_busy_s": round(busy_us / 1e6, 3),
+    summary = {"seconds": r["seconds"], "warm": warm, "gpu_busy_s": round(busy_us / 1e6, 3),
                "gpu_busy_share": round(busy_us / 1e6 / r["seconds"], 3),
                "top_kernels_ms": {e.key[:80]: round(e.self_device_time_total / 1e3, 1) for e in top},
                "top_host_ops_ms": {f"{e.key[:70]} x{e.count}": round(e.self_cpu_time_total / 1e3, 1) for e in host}}
@@ -268,25 +272,27 @@ def bench_model(model: str, args, root: Path, save) -> dict:
     kw = {"cuda_graphs": not args.eager}
     cache = args.cache_gb
     # compile the kernels for small and full batches, so compilation lands in no timed run
-    for mode in ("lazy",) if args.only_lazy_at or args.host_tier else ("lazy", "block"):
+    for mode in ("lazy",) if (args.only_lazy_at or args.host_tier) and not args.recompute else ("lazy", "block"):
         for m in (4, args.batch_size):
             run(kw, loaded, store, mode, zipf[:m], questions[:m], cache, args.batch_size)
     if not args.skip_full:
         run(kw, loaded, store, "full", zipf[:2], questions[:2], cache, args.batch_size)
-    if args.profile:
-        out["profile"] = {m: profile_run(kw, loaded, store, m, zipf[:args.profile], questions, cache, args.batch_size,
-                                         model) for m in ("lazy", "block")}
+    if args.profile:  # with the last --recompute fraction, if any: where recompute's time goes
+        from lazyrag.serve import Recompute
+        pkw = dict(kw, recompute=Recompute(args.recompute[-1], args.recompute_policy)) if args.recompute else kw
+        out["profile"] = {m: profile_run(pkw, loaded, store, m, zipf[:args.profile], questions, cache, args.batch_size,
+                                         model, warm=args.warm) for m in ("lazy", "block")}
         save(out)
     if args.check_shared:
         out["shared_check"] = shared_check(kw, loaded, store, zipf[:args.check_shared], questions[:args.check_shared],
                                            cache, args.batch_size)
         save(out)
         print(f"[{model}] chunk-major against per-request pages: {json.dumps(out['shared_check'])}", flush=True)
+    if args.host_tier:
+        host_tier_runs(kw, loaded, store, zipf, questions, args.host_tier, args, model, save, out)
     if args.recompute:
         out["batch_sweep"] = batch_sweep(kw, loaded, store, zipf, questions, cache, args, model, save, out)
         return out
-    if args.host_tier:
-        host_tier_runs(kw, loaded, store, zipf, questions, args.host_tier, args, model, save, out)
     if args.only_lazy_at or args.host_tier:
         for gb in args.only_lazy_at:
             r = run(kw, loaded, store, "lazy", zipf, questions, gb, args.batch_size)
@@ -489,10 +495,12 @@ def main() -> None:
     ap.add_argument("--host-tier", type=int, default=0, metavar="DOCS",
                     help="diagnosis: after the warm-up, time lazy on the Zipf requests with a GPU cache of DOCS "
                          "documents' worth, without and then with a pinned host tier (the engine's "
-                         "--host-cache-gb) that holds every document; then only the --only-lazy-at runs")
+                         "--host-cache-gb) that holds every document; then only the --only-lazy-at runs (or, with "
+                         "--recompute, the batch sweep)")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="also run lazy and block on N Zipf requests under torch.profiler (GPU busy share, "
-                         "top kernels) before the timed runs")
+                         "top kernels) before the timed runs, with the last --recompute fraction if any; with "
+                         "--warm, the timed pass of a warm run")
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--recompute", type=lambda s: [float(x) for x in s.split(",") if x], default=[],
                     help="only the batch sweep: lazy (no recompute), full, then lazy and block at each of these "
@@ -507,9 +515,9 @@ def main() -> None:
     ap.add_argument("--batch-sizes", type=lambda s: [int(x) for x in s.split(",") if x], default=[16, 32, 64, 128])
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs anywhere (the engine's --eager)")
     ap.add_argument("--warm", action="store_true",
-                    help="after the closed Zipf rounds (in the batch sweep: after the cold runs), time lazy and "
-                         "block once more on a cache warmed by an untimed pass over the same requests (a "
-                         "long-running server's steady state)")
+                    help="after the closed Zipf rounds (in the batch sweep: after the cold runs, those without "
+                         "recompute), time lazy and block once more on a cache warmed by an untimed pass over the "
+                         "same requests (a long-running server's steady state)")
     ap.add_argument("--eager-too", action="store_true",
                     help="after the closed Zipf rounds, time lazy and block once more without CUDA graphs")
     ap.add_argument("--kv-dtype", default="auto", help="the store's KV dtype, as `index --kv-dtype` takes it")
