@@ -145,7 +145,7 @@ def musique_queries(args, selection: bool = True) -> list[dict]:
     src = args.data / "musique"
     queries = jsonl(src / "queries.jsonl")
     half = len(queries) // 2
-    queries = queries[:half][: args.per_split] * selection + queries[half:][: args.per_split]
+    queries = (queries[:half][: args.per_split] if selection else []) + queries[half:][: args.per_split]
     needed = {d for q in queries for d in q["docs"]}
     write_jsonl(args.work / "musique-corpus.jsonl", [d for d in jsonl(src / "corpus.jsonl") if d["id"] in needed])
     return queries

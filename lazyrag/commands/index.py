@@ -147,7 +147,7 @@ def stored_rows(kv: torch.Tensor, settings: StoreSettings) -> torch.Tensor:
 def aligned_host_copy(kv: torch.Tensor, buffer: np.ndarray) -> torch.Tensor:
     """``kv`` copied into the page-aligned host ``buffer`` (at least its size), which a segment is
     written from straight to the disk (lazyrag/store/file_writes.py)."""
-    host = torch.from_numpy(buffer[: kv.numel() * kv.element_size()])
+    host = torch.from_numpy(buffer[: kv.nbytes])
     return host.view(kv.dtype).view(kv.shape).copy_(kv)
 
 
@@ -196,8 +196,8 @@ class BatchWriter:
             if self.error is None:
                 try:
                     chunks, kv, ready = item
-                    if buffer.nbytes < kv.numel() * kv.element_size():
-                        buffer = aligned_empty(kv.numel() * kv.element_size())
+                    if buffer.nbytes < kv.nbytes:
+                        buffer = aligned_empty(kv.nbytes)
                     # the device-to-host copy happens here too, off the compute thread, and on this
                     # thread's own stream: on the default one it would wait for the forward passes
                     # queued after this batch, and encoding and copying would take turns

@@ -117,13 +117,13 @@ class Engine:
             for seq in scheduler.retire():  # nothing in flight: their pages can be handed on
                 on_finish(seq)
 
-    def _sample(self, batch: list[Sequence], logits: torch.Tensor, pending: int) -> "Sampled":
+    def _sample(self, batch: list[Sequence], logits: torch.Tensor, pending: int) -> Sampled:
         """The next token of each sequence, still on the device; `pending` of each one's tokens are
         sampled but not yet accepted (the sampler's step number counts them)."""
         ids = self.sampler.sample(logits, [seq.id for seq in batch], [len(seq.generated) + pending for seq in batch])
         return Sampled(ids)
 
-    def _accept(self, batch: list[Sequence], sampled: "Sampled") -> None:
+    def _accept(self, batch: list[Sequence], sampled: Sampled) -> None:
         ids = sampled.read()
         now = time.perf_counter()
         for seq, token in zip(batch, ids):
