@@ -102,9 +102,8 @@ def group_shared(pages: PageTable, runs: Tensor) -> tuple[SharedPages, PageTable
 
     keep = np.isin(run_label, shared_labels)  # the shared runs, in request then entry order
     k_b, k_first, k_label = run_b[keep], first[keep], run_label[keep]
-    slot = np.zeros(len(k_b), np.int64)
-    for i in range(1, len(k_b)):
-        slot[i] = slot[i - 1] + 1 if k_b[i] == k_b[i - 1] else 0
+    new_request = np.concatenate([[True], k_b[1:] != k_b[:-1]]) if len(k_b) else np.zeros(0, bool)
+    slot = np.arange(len(k_b)) - np.maximum.accumulate(np.where(new_request, np.arange(len(k_b)), 0))
     group = np.searchsorted(shared_labels, k_label)
     by_group = np.argsort(group, kind="stable")
     seq_lo = np.searchsorted(seq_pages[0], shared_labels)
@@ -132,7 +131,12 @@ def _page_sequences(label, ids, start, length):
     if len(b) == 0:
         return np.zeros((4, 0), np.int64), rank
     rows = np.stack([label[b, e], start[b, e], ids[b, e], length[b, e]])
-    uniq, inverse = np.unique(rows, axis=1, return_inverse=True)  # sorted by label, start, id, length
+    order = np.lexsort(rows[::-1])  # by label, start, id, length (np.unique(axis=1) sorts ten times slower)
+    ordered = rows[:, order]
+    new = np.concatenate([[True], (ordered[:, 1:] != ordered[:, :-1]).any(0)])
+    uniq = ordered[:, new]
+    inverse = np.empty(len(b), np.int64)
+    inverse[order] = np.cumsum(new) - 1
     pairs = np.unique(uniq[[0, 2]], axis=1)
     if pairs.shape[1] != uniq.shape[1]:
         raise ValueError("a page of a shared run appears with two starts or lengths under one label")
@@ -159,9 +163,9 @@ def _remainder(pages: PageTable, keep, planes, ape_lo, ape_hi) -> PageTable:
     out = [np.zeros((B, width), np.int64) for _ in planes]
     out[3][:] = 1  # unused entries: any valid length
     before = np.concatenate([np.zeros((B, 1), np.int64), np.cumsum(keep, 1)], axis=1)  # kept entries before e
-    for b in range(B):
-        for src, dst in zip(planes, out):
-            dst[b, : n[b]] = src[b][keep[b]]
+    kb, ke = np.nonzero(keep)
+    for src, dst in zip(planes, out):
+        dst[kb, before[kb, ke]] = src[kb, ke]
     ape = ()
     if pages.has_ape:
         W = keep.shape[1]

@@ -49,6 +49,10 @@ def free_cache() -> None:
         torch.cuda.empty_cache()
 
 
+def out_dir() -> Path:
+    return Path(os.environ.get("OUT", "."))
+
+
 def words(rng: random.Random, n_chars: int) -> str:
     """Plain lower-case text of exactly n_chars bytes (one token per byte for random:* models)."""
     out = []
@@ -222,15 +226,59 @@ def sweep_table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+@contextlib.contextmanager
+def labelled_phases():
+    """The engine's host phases as named ranges in a profiler trace (what the GPU waits for)."""
+    from torch.profiler import record_function
+
+    from lazyrag.serve import engine, runner, scheduler, sharing
+    from lazyrag.serve.paged import StepInputs
+
+    targets = [(engine.Engine, "_choose_recompute"), (engine.Engine, "_accept"), (runner.Runner, "prefill"),
+               (runner.Runner, "decode"), (runner.Runner, "row_attention"), (scheduler.Scheduler, "schedule"),
+               (scheduler.Scheduler, "retire"), (sharing.ChunkMajor, "upload"), (sharing.ChunkMajor, "plan"),
+               (sharing.ChunkMajor, "cut")]
+    originals = [(cls, name, cls.__dict__[name]) for cls, name in targets]
+
+    def wrap(fn, label):
+        def wrapped(*a, **k):
+            with record_function(label):
+                return fn(*a, **k)
+        return wrapped
+
+    for cls, name, fn in originals:
+        setattr(cls, name, wrap(fn, f"lazyrag.{cls.__name__}.{name}"))
+    upload = StepInputs.__dict__["upload"]
+    StepInputs.upload = classmethod(wrap(upload.__func__, "lazyrag.StepInputs.upload"))
+    try:
+        yield
+    finally:
+        for cls, name, fn in originals:
+            setattr(cls, name, fn)
+        StepInputs.upload = upload
+
+
 def profile_run(engine_args: dict, loaded, store, mode: str, prompts, questions, cache_gb: float,
-                batch_size: int, model: str, warm: bool = False) -> dict:
+                batch_size: int, model: str, warm: bool = False, trace: Path | None = None) -> dict:
     """One closed run under torch.profiler: where the time goes (GPU busy share, top kernels).
-    warm: the timed pass of a warm run (run's `warm`) alone is profiled."""
+    warm: the timed pass of a warm run (run's `warm`) alone is profiled. trace: also write the
+    profiler's trace there (gzipped Chrome trace JSON), the engine's phases labelled."""
+    import gzip
+    import shutil
+
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
-    r = run(engine_args, loaded, store, mode, prompts, questions, cache_gb, batch_size, warm=warm, timed=lambda: prof)
+    with labelled_phases() if trace else contextlib.nullcontext():
+        r = run(engine_args, loaded, store, mode, prompts, questions, cache_gb, batch_size, warm=warm,
+                timed=lambda: prof)
+    if trace:
+        raw = trace.with_suffix("")
+        prof.export_chrome_trace(str(raw))
+        with open(raw, "rb") as src, gzip.open(trace, "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        raw.unlink()
 
     # device-side events only (kernels, memcpys): a CPU op's device time repeats its kernels'
     events = prof.key_averages()
@@ -280,8 +328,11 @@ def bench_model(model: str, args, root: Path, save) -> dict:
     if args.profile:  # with the last --recompute fraction, if any: where recompute's time goes
         from lazyrag.serve import Recompute
         pkw = dict(kw, recompute=Recompute(args.recompute[-1], args.recompute_policy)) if args.recompute else kw
-        out["profile"] = {m: profile_run(pkw, loaded, store, m, zipf[:args.profile], questions, cache, args.batch_size,
-                                         model, warm=args.warm) for m in ("lazy", "block")}
+        out["profile"] = {}
+        for m in ("lazy", "block"):
+            trace = (out_dir() / f"trace-{m}.json.gz") if args.trace else None
+            out["profile"][m] = profile_run(pkw, loaded, store, m, zipf[:args.profile], questions, cache,
+                                            args.batch_size, model, warm=args.warm, trace=trace)
         save(out)
     if args.check_shared:
         out["shared_check"] = shared_check(kw, loaded, store, zipf[:args.check_shared], questions[:args.check_shared],
@@ -501,6 +552,9 @@ def main() -> None:
                     help="also run lazy and block on N Zipf requests under torch.profiler (GPU busy share, "
                          "top kernels) before the timed runs, with the last --recompute fraction if any; with "
                          "--warm, the timed pass of a warm run")
+    ap.add_argument("--trace", action="store_true",
+                    help="with --profile, also write each profiled run's trace to $OUT/trace-<mode>.json.gz "
+                         "(Chrome trace format), the engine's host phases labelled")
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--recompute", type=lambda s: [float(x) for x in s.split(",") if x], default=[],
                     help="only the batch sweep: lazy (no recompute), full, then lazy and block at each of these "
@@ -531,14 +585,13 @@ def main() -> None:
     DOCS, DOC_TOKENS = args.docs, args.doc_tokens
     import torch
 
-    out_dir = Path(os.environ.get("OUT", "."))
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir().mkdir(parents=True, exist_ok=True)
     results = []
     info = {"gpu": torch.cuda.get_device_name() if has_cuda() else "cpu", "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
             "command": " ".join(sys.argv)}
     def save(partial: dict | None = None) -> None:
         done = results + ([partial] if partial else [])
-        (out_dir / "bench_e2e.json").write_text(json.dumps({"info": info, "results": done}, indent=1))
+        (out_dir() / "bench_e2e.json").write_text(json.dumps({"info": info, "results": done}, indent=1))
 
     for model in args.models.split(","):
         # each model's store is deleted once its runs are done: an 8B store is tens of GB
@@ -547,7 +600,7 @@ def main() -> None:
         save()
     text = sweep_table(results) if args.recompute else table(results) + "\n\n" + reads_table(results)
     print(text)
-    (out_dir / "bench_e2e.md").write_text(text + "\n")
+    (out_dir() / "bench_e2e.md").write_text(text + "\n")
 
 
 if __name__ == "__main__":

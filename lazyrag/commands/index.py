@@ -83,15 +83,23 @@ def pages_per_batch(cfg: IndexConfig, settings: StoreSettings) -> int:
 
 
 def page_batches(chunks: list[NewChunk], batch_pages: int, page_size: int) -> Iterator[list[NewChunk]]:
-    """Consecutive runs of chunks whose pages fit in batch_pages (a longer chunk goes alone)."""
-    batch, pages = [], 0
-    for c in chunks:
-        need = -(-len(c.token_ids) // page_size)
-        if batch and pages + need > batch_pages:
+    """Consecutive runs of chunks whose pages fit a batch (a longer chunk goes alone). Batches grow
+    from a quarter of batch_pages as the pages done grow, and shrink to half the pages left near
+    the end: the first write starts sooner, and the writes left once the model is done are short."""
+    need = [-(-len(c.token_ids) // page_size) for c in chunks]
+    done, left = 0, sum(need)
+
+    def budget() -> int:
+        return max(batch_pages // 4, min(batch_pages, done, left // 2))
+
+    batch, pages, limit = [], 0, budget()
+    for c, n in zip(chunks, need):
+        if batch and pages + n > limit:
             yield batch
-            batch, pages = [], 0
+            done, left = done + pages, left - pages
+            batch, pages, limit = [], 0, budget()
         batch.append(c)
-        pages += need
+        pages += n
     if batch:
         yield batch
 
@@ -174,7 +182,8 @@ class BatchWriter:
     disk. Each batch becomes its own segment, so several can be written at once: while one
     thread waits for fsync, another copies its batch off the GPU and writes."""
 
-    def __init__(self, write: WriteBatch, threads: int = WRITER_THREADS, prefault_bytes: int = 0):
+    def __init__(self, write: WriteBatch, threads: int | None = None, prefault_bytes: int = 0):
+        threads = threads or WRITER_THREADS
         self.write = write
         self.queue: queue.Queue = queue.Queue(maxsize=threads)
         self.error: BaseException | None = None

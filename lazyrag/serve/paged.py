@@ -22,6 +22,7 @@ at their logical positions (`block`, `full`).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -269,23 +270,27 @@ def pack_step(feeds: list[Feed], page_size: int, batch: int | None = None, pad_s
     table, _, count, cu, ape_lo, ape_hi, tokens, positions, key_positions, slots = layout.views(host.numpy())
     table[:] = 0
     count[:], ape_lo[:], ape_hi[:] = 0, 0, 0
-    count[: len(feeds)] = counts
-    cu[0] = 0
-    cu[1:] = np.arange(1, B + 1) + (T - B)
     tokens[:], positions[:], key_positions[:], slots[:] = 0, 0, 0, pad_slot
-    t = 0
-    for b, (f, n) in enumerate(zip(feeds, counts)):
-        table[:, b, :n] = f.rows[:n].T
-        ape_lo[b], ape_hi[b] = f.ape_rows
-        k = len(f.tokens)
-        own = f.first + np.arange(k)
-        tokens[t: t + k] = f.tokens
-        own_rows = f.rows[f.n_context + own // page_size]
-        positions[t: t + k] = f.own_start + own
-        key_positions[t: t + k] = f.own_start + own - own_rows[:, DELTA]  # a recomputed chunk page keeps its delta
-        slots[t: t + k] = own_rows[:, PAGE] * page_size + own % page_size
-        t += k
-        cu[b + 1] = t
+    cu[:] = np.arange(B + 1) + (T - B)  # padding rows: one token each, after the feeds'
+    cu[0] = 0
+    if feeds:  # whole arrays at once: a prefill step with recompute has thousands of feeds
+        n = len(feeds)
+        count[:n] = counts
+        ape_lo[:n], ape_hi[:n] = np.array([f.ape_rows for f in feeds], np.int32).reshape(n, 2).T
+        rows = np.concatenate([f.rows[:c] for f, c in zip(feeds, counts)])
+        row_at = np.cumsum(counts) - counts
+        feed = np.repeat(np.arange(n), counts)
+        table[:, feed, np.arange(len(rows)) - row_at[feed]] = rows.T
+        lens = np.array([len(f.tokens) for f in feeds])
+        cu[1: n + 1] = np.cumsum(lens)
+        k = int(cu[n])
+        tokens[:k] = np.fromiter(chain.from_iterable(f.tokens for f in feeds), np.int64, k)
+        of = np.repeat(np.arange(n), lens)  # each token's feed
+        own = np.array([f.first for f in feeds])[of] + np.arange(k) - (cu[of])  # index among the feed's own tokens
+        own_rows = rows[row_at[of] + np.array([f.n_context for f in feeds])[of] + own // page_size]
+        positions[:k] = np.array([f.own_start for f in feeds])[of] + own
+        key_positions[:k] = positions[:k] - own_rows[:, DELTA]  # a recomputed chunk page keeps its delta
+        slots[:k] = own_rows[:, PAGE] * page_size + own % page_size
     return host, layout
 
 

@@ -37,7 +37,8 @@ def prompt_feeds(seq: Sequence, tokens: list[int]) -> list[Feed]:
 
 class AttentionProbe:
     """Attention that measures, at one layer, the weight each feed's tokens give each of its page
-    rows (in plain PyTorch, from the pool), then stops the forward pass."""
+    rows (in plain PyTorch, from the pool), then stops the forward pass. The feeds' rows reach the
+    device in one copy: a copy per feed would wait for the GPU each time, and the GPU for the host."""
 
     class Done(Exception):
         pass
@@ -52,10 +53,16 @@ class AttentionProbe:
             return out
         at = self.attention
         ps = at.pool.page_size
+        counts = [f.n_context + pages_for(f.first + len(f.tokens), ps) for f in self.feeds]
+        packed = torch.from_numpy(np.concatenate([f.rows[:n] for f, n in zip(self.feeds, counts)]))
+        if q.is_cuda:
+            packed = packed.pin_memory()
+        all_rows = packed.to(q.device, non_blocking=True)
+        row_at = np.cumsum([0] + counts).tolist()
         cu = np.cumsum([0] + [len(f.tokens) for f in self.feeds]).tolist()  # from the host: no wait on the GPU
-        for b, f in enumerate(self.feeds):
-            rows = torch.as_tensor(f.rows[: f.n_context + pages_for(f.first + len(f.tokens), ps)], device=q.device)
-            j = torch.arange(ps, device=q.device)
+        j = torch.arange(ps, device=q.device)
+        for b in range(len(self.feeds)):
+            rows = all_rows[row_at[b]: row_at[b + 1]]
             keys = at.pool.keys(layer, rows[:, PAGE]).flatten(0, 1)                    # [n * ps, Hkv, D]
             delta = rows[:, DELTA, None].expand(-1, ps).flatten()
             key_pos = (rows[:, START, None] + rows[:, DELTA, None] + j).flatten()
@@ -68,7 +75,7 @@ class AttentionProbe:
             scores = torch.einsum("tkgd,nkd->kgtn", qb, keys) * at.sm_scale
             hidden = ~valid[None, :] | (key_pos[None, :] > qpos[:, None])
             weights = torch.softmax(scores.masked_fill(hidden, float("-inf")), -1).sum((0, 1, 2))
-            self.mass.append(weights.view(len(rows), ps).sum(1))  # on the device: one transfer for all feeds
+            self.mass.append(weights.view(counts[b], ps).sum(1))  # on the device: one transfer for all feeds
         raise self.Done
 
 
@@ -115,10 +122,11 @@ class Runner:
     def prefill(self, seqs: list[Sequence]) -> torch.Tensor:
         """Feed the placed sequences' prompts (recomputed pages first); the logits of each one's
         last token."""
-        feeds, last = [], []
+        feeds, last, fed = [], [], 0
         for s in seqs:
-            feeds += prompt_feeds(s, s.placement.prompt_ids)
-            last.append(sum(len(f.tokens) for f in feeds) - 1)
+            feeds += (mine := prompt_feeds(s, s.placement.prompt_ids))
+            fed += sum(len(f.tokens) for f in mine)
+            last.append(fed - 1)
         logits = self.forward(feeds, select=torch.tensor(last))
         for s in seqs:
             s.fed += len(s.placement.prompt_ids)

@@ -36,33 +36,37 @@ class SharedFeeds:
 def cut_feeds(feeds: list[Feed]) -> SharedFeeds | None:
     """The shared runs of the feeds' labelled rows (Feed.shared) and each feed's remainder;
     None where no feed has labelled rows. Labelled rows must be context rows whose keys
-    all precede the feed's tokens: the chunk-major kernels apply no causal mask to them."""
-    if not any(f.shared is not None and f.shared.any() for f in feeds):
+    all precede the feed's tokens: the chunk-major kernels apply no causal mask to them.
+    Feeds without labelled rows (a recomputed page's) are their own remainder, and are left
+    out of the grouping: a step with recompute has some ten of them for each labelled feed."""
+    labelled = [b for b, f in enumerate(feeds) if f.shared is not None and f.shared.any()]
+    if not labelled:
         return None
-    width = max(len(f.rows) for f in feeds)
-    B = len(feeds)
+    width = max(len(feeds[b].rows) for b in labelled)
+    B = len(labelled)
     planes = np.zeros((4, B, width), np.int32)
     planes[LENGTH] = 1
     runs = np.zeros((B, width), np.int32)
-    for b, f in enumerate(feeds):
-        planes[:, b, : len(f.rows)] = f.rows.T
-        if f.shared is not None:
-            _check_precedes(f)
-            runs[b, : len(f.rows)] = f.shared
-    ape = np.array([f.ape_rows for f in feeds], np.int32).reshape(B, 2)
+    for i, b in enumerate(labelled):
+        f = feeds[b]
+        _check_precedes(f)
+        planes[:, i, : len(f.rows)] = f.rows.T
+        runs[i, : len(f.rows)] = f.shared
+    ape = np.array([feeds[b].ape_rows for b in labelled], np.int32).reshape(B, 2)
     table = kernels.PageTable(*(torch.from_numpy(p) for p in planes),
-                              torch.tensor([len(f.rows) for f in feeds], dtype=torch.int32),
+                              torch.tensor([len(feeds[b].rows) for b in labelled], dtype=torch.int32),
                               torch.from_numpy(ape[:, 0].copy()), torch.from_numpy(ape[:, 1].copy()))
     shared, rest = kernels.group_shared(table, torch.from_numpy(runs))
     if shared.groups == 0:
         return None
+    shared.use_request = torch.as_tensor(np.asarray(labelled, np.int32)[shared.use_request.numpy()])  # step order
     rest_planes = torch.stack([rest.ids, rest.delta, rest.start, rest.length]).numpy()
-    out = []
-    for b, f in enumerate(feeds):
-        n = int(rest.count[b])
-        out.append(replace(f, rows=np.ascontiguousarray(rest_planes[:, b, :n].T), shared=None,
-                           n_context=f.n_context - (len(f.rows) - n),
-                           ape_rows=(int(rest.ape_lo[b]), int(rest.ape_hi[b]))))
+    out = list(feeds)
+    for i, b in enumerate(labelled):
+        f, n = feeds[b], int(rest.count[i])
+        out[b] = replace(f, rows=np.ascontiguousarray(rest_planes[:, i, :n].T), shared=None,
+                         n_context=f.n_context - (len(f.rows) - n),
+                         ape_rows=(int(rest.ape_lo[i]), int(rest.ape_hi[i])))
     return SharedFeeds(out, shared)
 
 

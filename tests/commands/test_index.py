@@ -70,11 +70,19 @@ def test_stored_kv_equals_transformers_past_key_values(tmp_path, smollm, dtype):
         assert kv[L:].abs().sum() == 0  # page padding stays zero
 
 
-def test_page_batches_fill_each_forward_pass_in_order():
-    chunks = [NewChunk(f"c{i}", "d", i, tuple(range(n)), "") for i, n in enumerate([64, 65, 10, 200, 1, 300])]
-    batches = list(page_batches(chunks, batch_pages=4, page_size=64))
-    # pages needed: 1, 2, 1, 4, 1, 5; a chunk longer than a batch goes alone
-    assert [[c.chunk_id for c in b] for b in batches] == [["c0", "c1", "c2"], ["c3"], ["c4"], ["c5"]]
+def test_page_batches_keep_chunk_order_and_send_a_long_chunk_alone():
+    chunks = [NewChunk(f"c{i}", "d", i, tuple(range(n)), "") for i, n in enumerate([64, 65, 10, 200, 1, 300, 64, 64])]
+    batches = list(page_batches(chunks, batch_pages=8, page_size=64))
+    # pages needed: 1, 2, 1, 4, 1, 5, 1, 1; budgets 2, 2, 3, 4, 4, 3, 2 as pages are done and left
+    assert [[c.chunk_id for c in b] for b in batches] == [["c0"], ["c1"], ["c2"], ["c3"], ["c4"], ["c5"], ["c6", "c7"]]
+
+
+def test_page_batches_grow_from_a_quarter_and_shrink_toward_the_end():
+    chunks = [NewChunk(f"c{i}", "d", i, tuple(range(64)), "") for i in range(20)]  # a page each
+    assert [len(b) for b in page_batches(chunks, batch_pages=8, page_size=64)] == [2, 2, 4, 6, 3, 2, 1]
+    many = [NewChunk(f"c{i}", "d", i, tuple(range(64)), "") for i in range(100)]
+    sizes = [len(b) for b in page_batches(many, batch_pages=8, page_size=64)]
+    assert sizes[:4] == [2, 2, 4, 8] and max(sizes) == 8 and sizes[-3:] == [3, 2, 1] and sum(sizes) == 100
 
 
 def test_rerun_adds_nothing_and_new_documents_append(tmp_path):

@@ -1,13 +1,14 @@
 """Step packing over the paged pool: what a CUDA graph replays, checked on the CPU, and the
 alignment of every packed field; page rows and the pool's free list."""
 
+import numpy as np
 import pytest
 import torch
 from serve_stores import make_store, place, request
 
 from lazyrag.models.prompt import PromptFormat
 from lazyrag.serve import Engine
-from lazyrag.serve.paged import (DELTA, LENGTH, PAGE, START, OutOfPages, PagedAttention, PagePool, StepInputs,
+from lazyrag.serve.paged import (DELTA, LENGTH, PAGE, START, Feed, OutOfPages, PagedAttention, PagePool, StepInputs,
                                  StepLayout, copy_step, pack_step, page_rows)
 
 
@@ -79,3 +80,48 @@ def test_step_fields_are_16_byte_aligned_whatever_the_shape():
             assert (t.data_ptr() - buf.data_ptr()) % 16 == 0
         assert pages.ids.stride(0) % 4 == 0 and tuple(pages.ids.shape) == (batch, width)
         assert step.slots.numel() == tokens and step.cu_seqlens.numel() == batch + 1
+
+
+def _pack_one_by_one(feeds, page_size, B, pad_slot):
+    """pack_step's fields, written feed by feed: the reference for its whole-array packing."""
+    counts = [f.n_context + -(-(f.first + len(f.tokens)) // page_size) for f in feeds]
+    T = sum(len(f.tokens) for f in feeds) + (B - len(feeds))
+    table = np.zeros((4, B, max(counts)), np.int64)
+    tokens, positions, key_positions = np.zeros(T, np.int64), np.zeros(T, np.int64), np.zeros(T, np.int64)
+    slots = np.full(T, pad_slot, np.int64)
+    cu = np.arange(B + 1) + (T - B)
+    cu[0] = t = 0
+    for b, (f, n) in enumerate(zip(feeds, counts)):
+        table[:, b, :n] = f.rows[:n].T
+        for j, tok in enumerate(f.tokens):
+            own = f.first + j
+            row = f.rows[f.n_context + own // page_size]
+            tokens[t], positions[t] = tok, f.own_start + own
+            key_positions[t] = positions[t] - row[DELTA]
+            slots[t] = row[PAGE] * page_size + own % page_size
+            t += 1
+        cu[b + 1] = t
+    return table, counts, cu, tokens, positions, key_positions, slots
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_packed_step_matches_packing_feed_by_feed(seed):
+    rng = np.random.default_rng(seed)
+    page_size, feeds = 4, []
+    for _ in range(rng.integers(1, 7)):
+        n_context = int(rng.integers(0, 5))
+        first, k = int(rng.integers(0, 6)), int(rng.integers(1, 9))
+        own_pages = -(-(first + k) // page_size) + int(rng.integers(0, 2))
+        rows = rng.integers(0, 50, size=(n_context + own_pages, 4)).astype(np.int32)
+        feeds.append(Feed(rows, n_context, int(rng.integers(0, 99)), first, rng.integers(0, 300, k).tolist(),
+                          ape_rows=(1, 2)))
+    B = len(feeds) + int(rng.integers(0, 3))
+    host, layout = pack_step(feeds, page_size, batch=B, pad_slot=77)
+    v = layout.views(host.numpy())
+    table, counts, cu, tokens, positions, key_positions, slots = _pack_one_by_one(feeds, page_size, B, 77)
+    assert np.array_equal(v.table, table)
+    assert v.count.tolist() == counts + [0] * (B - len(feeds))
+    assert v.ape_lo.tolist()[: len(feeds)] == [1] * len(feeds)
+    for got, want in zip((v.cu, v.tokens, v.positions, v.key_positions, v.slots),
+                         (cu, tokens, positions, key_positions, slots)):
+        assert np.array_equal(got, want)

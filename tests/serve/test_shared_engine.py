@@ -12,7 +12,8 @@ from lazyrag.models.prompt import PromptFormat
 from lazyrag.serve import Engine
 from lazyrag.serve.paged import PagedAttention, StepInputs, StepLayout, copy_step, pack_step
 from lazyrag.serve.recompute import Recompute
-from lazyrag.serve.sharing import ChunkMajor, graph_layout
+from lazyrag.serve.runner import prompt_feeds
+from lazyrag.serve.sharing import ChunkMajor, cut_feeds, graph_layout
 
 
 @pytest.fixture(scope="module", params=["fp32", "fp8"])
@@ -128,3 +129,34 @@ def test_decode_graph_step_matches_the_plain_step(stored, fits):
                                                                 engine.runner.sm_scale, True))
     torch.testing.assert_close(model.logits(hidden)[:3, : engine.runner.vocab], plain, rtol=1e-5, atol=1e-5)
     engine.close()
+
+
+def test_recompute_gives_the_same_answers_with_and_without_chunk_major(stored):
+    """A recomputed page's feed reads per request beside the chunk-major prompt feeds of the same
+    step: the step's grouping leaves those feeds out and must still point each shared use at its
+    own request."""
+    loaded, store = stored
+    answers = {}
+    for shared in (True, False):
+        engine = Engine(loaded, store, "lazy", cache_bytes=8 << 20, batch_size=4, stop_at_eos=False,
+                        shared_attention=shared, recompute=Recompute(0.5))
+        got = answers[shared] = {}
+        engine.run(requests(store, loaded), lambda seq, got=got: got.__setitem__(seq.id, seq.generated))
+        engine.close()
+    assert answers[True] == answers[False]
+
+
+def test_feeds_without_shared_rows_stay_whole_and_out_of_the_grouping(stored):
+    loaded, store = stored
+    engine = Engine(loaded, store, "lazy", cache_bytes=8 << 20, batch_size=4, recompute=Recompute(0.5))
+    seqs = place(engine, requests(store, loaded)[:2])
+    feeds = [f for s in seqs for f in prompt_feeds(s, s.placement.prompt_ids)]
+    prompts = [b for b, f in enumerate(feeds) if f.shared is not None]
+    assert len(prompts) == 2 and len(feeds) > 2  # the rest are recomputed pages
+    cut = cut_feeds(feeds)
+    assert sorted(set(cut.shared.use_request.tolist())) == prompts  # the prompts' places in the step
+    for b, (f, r) in enumerate(zip(feeds, cut.rest)):
+        if b not in prompts:
+            assert r is f
+        else:
+            assert r.shared is None and len(r.rows) < len(f.rows)
