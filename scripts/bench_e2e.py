@@ -282,7 +282,8 @@ def profile_run(engine_args: dict, loaded, store, mode: str, prompts, questions,
 
     # device-side events only (kernels, memcpys): a CPU op's device time repeats its kernels'
     events = prof.key_averages()
-    kernels = [e for e in events if e.device_type != DeviceType.CPU]
+    # the labelled phases' ranges show on the device's timeline too: not work, leave them out
+    kernels = [e for e in events if e.device_type != DeviceType.CPU and not e.key.startswith("lazyrag.")]
     busy_us = sum(e.self_device_time_total for e in kernels)
     top = sorted(kernels, key=lambda e: e.self_device_time_total, reverse=True)[:12]
     host = sorted((e for e in events if e.device_type == DeviceType.CPU), key=lambda e: e.self_cpu_time_total,

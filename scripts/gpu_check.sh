@@ -23,7 +23,7 @@ step gpu_tests "${TEST_LIMIT:-150}" python3 -m pytest -q -m gpu -p no:cacheprovi
 step bench_kernels "${KERNEL_LIMIT:-150}" python3 scripts/bench_kernels.py ${KERNEL_ARGS:---quick}
 step bench_e2e "${E2E_LIMIT:-240}" python3 scripts/bench_e2e.py --models "$models" "$@"
 step bench_index "${INDEX_LIMIT:-100}" python3 scripts/bench_index.py --model random:llama3-8b --kv-dtype "${INDEX_DTYPE:-bf16}" \
-  --docs 12 --doc-tokens 2048 --chunk-tokens 2048 --batch-tokens 16384 --dir /tmp/bench-index
+  --docs 12 --doc-tokens 2048 --chunk-tokens 2048 --dir /tmp/bench-index
 rm -rf /tmp/bench-index  # an 8B store is tens of GB; the machine's disk holds a few
 step bench_store "${STORE_LIMIT:-120}" python3 scripts/bench_store.py --gib 4 --chunk-tokens 2048 --page 64 \
   --chunks-per-segment 4

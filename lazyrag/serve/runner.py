@@ -37,11 +37,14 @@ def prompt_feeds(seq: Sequence, tokens: list[int]) -> list[Feed]:
 
 class AttentionProbe:
     """Attention that measures, at one layer, the weight each feed's tokens give each of its page
-    rows (in plain PyTorch, from the pool), then stops the forward pass. The feeds' rows reach the
-    device in one copy: a copy per feed would wait for the GPU each time, and the GPU for the host."""
+    rows (in plain PyTorch, from the pool), then stops the forward pass. Feeds are measured a
+    group at a time, padded to the group's longest, in a few large operations: one small
+    operation per feed left the GPU waiting on the host's launches."""
 
     class Done(Exception):
         pass
+
+    GROUP_BYTES = 2 << 30  # fp32 working memory of one group (keys, scores)
 
     def __init__(self, attention: PagedAttention, feeds: list[Feed], layer: int):
         self.attention, self.feeds, self.layer = attention, feeds, layer
@@ -51,32 +54,52 @@ class AttentionProbe:
         out = self.attention(layer, q, k, v)  # writes this step's K/V into the pool
         if layer < self.layer:
             return out
-        at = self.attention
-        ps = at.pool.page_size
+        ps = self.attention.pool.page_size
         counts = [f.n_context + pages_for(f.first + len(f.tokens), ps) for f in self.feeds]
-        packed = torch.from_numpy(np.concatenate([f.rows[:n] for f, n in zip(self.feeds, counts)]))
+        cu = np.cumsum([0] + [len(f.tokens) for f in self.feeds])  # from the host: no wait on the GPU
+        width, most = max(counts, default=1), int(np.diff(cu).max(initial=1))
+        per_feed = width * ps * 4 * (3 * k.shape[1] * k.shape[2] + 2 * q.shape[1] * most)
+        size = max(1, self.GROUP_BYTES // per_feed)
+        for lo in range(0, len(self.feeds), size):
+            hi = min(lo + size, len(self.feeds))
+            mass = self._group_mass(layer, q, counts[lo:hi], cu[lo: hi + 1], self.feeds[lo:hi], width, most)
+            self.mass += [m[:n] for m, n in zip(mass, counts[lo:hi])]  # on the device: one transfer for all
+        raise self.Done
+
+    def _group_mass(self, layer: int, q: torch.Tensor, counts: list[int], cu: np.ndarray, feeds: list[Feed],
+                    width: int, most: int) -> torch.Tensor:
+        """[feeds, width] attention mass per page row of each feed (rows past its count: 0)."""
+        at, dev = self.attention, q.device
+        ps, n = at.pool.page_size, len(feeds)
+        rows = np.zeros((n, width, 4), np.int32)  # padding rows: page 0, no valid tokens
+        for i, (f, c) in enumerate(zip(feeds, counts)):
+            rows[i, :c] = f.rows[:c]
+        token = np.full((n, most), -1, np.int64)  # each feed's tokens in the step, -1 past its own
+        for i in range(n):
+            token[i, : cu[i + 1] - cu[i]] = np.arange(cu[i], cu[i + 1])
+        packed = torch.from_numpy(np.concatenate([rows.reshape(-1), token.reshape(-1)]).astype(np.int64))
         if q.is_cuda:
             packed = packed.pin_memory()
-        all_rows = packed.to(q.device, non_blocking=True)
-        row_at = np.cumsum([0] + counts).tolist()
-        cu = np.cumsum([0] + [len(f.tokens) for f in self.feeds]).tolist()  # from the host: no wait on the GPU
-        j = torch.arange(ps, device=q.device)
-        for b in range(len(self.feeds)):
-            rows = all_rows[row_at[b]: row_at[b + 1]]
-            keys = at.pool.keys(layer, rows[:, PAGE]).flatten(0, 1)                    # [n * ps, Hkv, D]
-            delta = rows[:, DELTA, None].expand(-1, ps).flatten()
-            key_pos = (rows[:, START, None] + rows[:, DELTA, None] + j).flatten()
-            valid = (j < rows[:, LENGTH, None]).flatten()
-            keys = kernels.rope(keys, delta, at.inv_freq)  # moved from their stored to their logical positions
-            qb, qpos = q[cu[b]: cu[b + 1]].float(), at.step.positions[cu[b]: cu[b + 1]]
-            qb = kernels.rope(qb, qpos, at.inv_freq)
-            t, kv_heads = qb.shape[0], keys.shape[1]
-            qb = qb.view(t, kv_heads, qb.shape[1] // kv_heads, qb.shape[2])  # a KV head's query heads together
-            scores = torch.einsum("tkgd,nkd->kgtn", qb, keys) * at.sm_scale
-            hidden = ~valid[None, :] | (key_pos[None, :] > qpos[:, None])
-            weights = torch.softmax(scores.masked_fill(hidden, float("-inf")), -1).sum((0, 1, 2))
-            self.mass.append(weights.view(counts[b], ps).sum(1))  # on the device: one transfer for all feeds
-        raise self.Done
+        packed = packed.to(dev, non_blocking=True)
+        rows_d, token_d = packed[: rows.size].view(n, width, 4), packed[rows.size:].view(n, most)
+        j = torch.arange(ps, device=dev)
+        keys = at.pool.keys(layer, rows_d[..., PAGE].flatten())  # [n * width, ps, Hkv, D] fp32
+        delta = rows_d[..., DELTA, None].expand(-1, -1, ps).flatten()
+        keys = kernels.rope(keys.flatten(0, 1), delta, at.inv_freq)  # moved to their logical positions
+        kv_heads, dim = keys.shape[1], keys.shape[2]
+        keys = keys.view(n, width * ps, kv_heads, dim)
+        key_pos = (rows_d[..., START, None] + rows_d[..., DELTA, None] + j).view(n, -1)
+        key_ok = (j < rows_d[..., LENGTH, None]).view(n, -1)
+        real = token_d >= 0
+        t = token_d.clamp(min=0)
+        qpos = at.step.positions[t]
+        qb = kernels.rope(q[t.flatten()].float(), qpos.flatten(), at.inv_freq)
+        qb = qb.view(n, most, kv_heads, q.shape[1] // kv_heads, dim)  # a KV head's query heads together
+        scores = torch.einsum("btkgd,bnkd->bkgtn", qb, keys) * at.sm_scale
+        hidden = ~key_ok[:, None, :] | (key_pos[:, None, :] > qpos[:, :, None])  # [n, most, keys]
+        weights = torch.softmax(scores.masked_fill(hidden[:, None, None], float("-inf")), -1)
+        weights = weights * real[:, None, None, :, None]  # a padding token's row is all masked: NaN -> 0
+        return weights.nan_to_num_(0.0).sum((1, 2, 3)).view(n, width, ps).sum(-1)
 
 
 class Runner:

@@ -13,7 +13,7 @@ from lazyrag.models.prompt import PromptFormat
 from lazyrag.serve import Engine, Request
 from lazyrag.serve.paged import PAGE
 from lazyrag.serve.recompute import DEFAULT_LAYER, Policy, Recompute, choose, head_order, pages_to_recompute
-from lazyrag.serve.runner import prompt_feeds
+from lazyrag.serve.runner import AttentionProbe, prompt_feeds
 from lazyrag.store import Store
 
 
@@ -157,3 +157,21 @@ def test_ranking_layer_defaults_to_an_early_layer_that_the_model_has():
     assert Recompute(0.1, Policy.ATTENTION, layer=5).ranking_layer(30) == 5
     with pytest.raises(ValueError, match="past the model's last layer"):
         Recompute(0.1, Policy.ATTENTION, layer=5).ranking_layer(4)
+
+
+@pytest.mark.parametrize("mode", ["lazy", "block"])
+def test_page_ranking_is_the_same_measured_in_groups_or_feed_by_feed(paged_store, tiny, mode, monkeypatch):
+    """The probe pads each group of feeds to its longest (rows and tokens): requests of different
+    lengths measured together must get what each gets alone."""
+    fmt = PromptFormat(tiny.tokenizer)
+    reqs = requests(paged_store, tiny) + [request(paged_store, fmt, "c", ["bach"], "When?")]
+    engine = Engine(tiny, paged_store, mode, cache_bytes=8 << 20, batch_size=4)
+    seqs = place(engine, reqs)
+    together = engine.runner.row_attention(seqs, 1)
+    monkeypatch.setattr(AttentionProbe, "GROUP_BYTES", 1)  # one feed a group
+    alone = engine.runner.row_attention(seqs, 1)
+    own_pages = [-(-len(s.placement.prompt_ids) // 16) for s in seqs]
+    assert [len(m) for m in together] == [s.placement.n_context + n for s, n in zip(seqs, own_pages)]
+    for a, b, s in zip(together, alone, seqs):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+        assert a.sum().item() == pytest.approx(tiny.cfg.num_heads * len(s.placement.prompt_ids), rel=1e-5)
