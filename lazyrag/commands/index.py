@@ -25,7 +25,7 @@ from lazyrag.config import IndexConfig
 from lazyrag.corpus import SPLITTER, CorpusStats, Document, chunk_document, read_corpus
 from lazyrag.models import LoadedModel, load_model
 from lazyrag.models.prompt import PromptFormat
-from lazyrag.serve.paged import Feed, PagedAttention, PagePool, StepInputs, page_rows
+from lazyrag.serve.paged import Feed, PagedAttention, PagePool, StepInputs, page_rows, pages_for
 from lazyrag.store import FP8_KV, NewChunk, Store, StoreSettings, chunk_id_for, kv_to_storage, pack_fp8_rows
 from lazyrag.store.file_writes import aligned_empty
 
@@ -86,7 +86,7 @@ def page_batches(chunks: list[NewChunk], batch_pages: int, page_size: int) -> It
     """Consecutive runs of chunks whose pages fit a batch (a longer chunk goes alone). Batches grow
     from a quarter of batch_pages as the pages done grow, and shrink to half the pages left near
     the end: the first write starts sooner, and the writes left once the model is done are short."""
-    need = [-(-len(c.token_ids) // page_size) for c in chunks]
+    need = [pages_for(len(c.token_ids), page_size) for c in chunks]
     done, left = 0, sum(need)
 
     def budget() -> int:
@@ -257,7 +257,7 @@ def encode_chunks(loaded: LoadedModel, settings: StoreSettings, chunks: list[New
     encoder = ChunkEncoder(loaded, list(settings.preamble_ids), settings.page_size, batch_pages)
     # on a GPU the writers' buffers are touched while the first batch runs (capped at what the
     # chunks need: a small corpus should not map gigabytes); on the CPU the forward pass is the bound
-    needed = sum(-(-len(c.token_ids) // settings.page_size) for c in chunks) * settings.page_size
+    needed = sum(pages_for(len(c.token_ids), settings.page_size) for c in chunks) * settings.page_size
     prefault = min(batch_pages * settings.page_size, needed) * settings.row_bytes if loaded.device.type == "cuda" else 0
     writer = BatchWriter(write, prefault_bytes=prefault)
     try:

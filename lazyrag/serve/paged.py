@@ -190,6 +190,10 @@ class Feed:
     ape_rows: tuple[int, int] = (0, 0)
     shared: np.ndarray | None = None
 
+    def rows_read(self, page_size: int) -> int:
+        """The rows its tokens attend over: the context, then its own pages up to its last token fed."""
+        return self.n_context + pages_for(self.first + len(self.tokens), page_size)
+
 
 ALIGN = 4  # int32s: every field starts 16-byte aligned
 
@@ -263,7 +267,7 @@ def pack_step(feeds: list[Feed], page_size: int, batch: int | None = None, pad_s
     with one-token rows that read no pages and write their K/V to `pad_slot` (CUDA graphs
     run a fixed batch)."""
     B = batch or len(feeds)
-    counts = [f.n_context + pages_for(f.first + len(f.tokens), page_size) for f in feeds]
+    counts = [f.rows_read(page_size) for f in feeds]
     T = sum(len(f.tokens) for f in feeds) + (B - len(feeds))
     layout = StepLayout(B, max(counts, default=0), T)
     host = torch.empty(layout.size, dtype=torch.int32, pin_memory=pin)

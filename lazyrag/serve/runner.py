@@ -13,7 +13,7 @@ from lazyrag import kernels
 from lazyrag.models import LoadedModel
 from lazyrag.serve.cuda_graphs import DecodeGraphs
 from lazyrag.serve.modes import ChunkCopy
-from lazyrag.serve.paged import DELTA, LENGTH, PAGE, START, Feed, PagedAttention, PagePool, StepInputs, pages_for
+from lazyrag.serve.paged import DELTA, LENGTH, PAGE, START, Feed, PagedAttention, PagePool, StepInputs
 from lazyrag.serve.request import Sequence
 from lazyrag.serve.sharing import ChunkMajor
 
@@ -55,7 +55,7 @@ class AttentionProbe:
         if layer < self.layer:
             return out
         ps = self.attention.pool.page_size
-        counts = [f.n_context + pages_for(f.first + len(f.tokens), ps) for f in self.feeds]
+        counts = [f.rows_read(ps) for f in self.feeds]
         cu = np.cumsum([0] + [len(f.tokens) for f in self.feeds])  # from the host: no wait on the GPU
         width, most = max(counts, default=1), int(np.diff(cu).max(initial=1))
         per_feed = width * ps * 4 * (3 * k.shape[1] * k.shape[2] + 2 * q.shape[1] * most)
