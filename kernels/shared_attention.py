@@ -96,49 +96,52 @@ def _shared_kernel(Q, K, V, KS, VS, SOP, SLSE, HEAD, WORK_, USE_, ITEM_, PAGE_, 
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
         prow = (part + sp).to(tl.int64) * num_heads + head
-        tl.store(SOP + prow[:, None] * (2 * HALF) + offs_d[None, :], o, mask=rmask[:, None])
+        tl.store(SOP + prow[:, None] * (2 * HALF) + offs_d[None, :], o.to(SOP.dtype.element_ty), mask=rmask[:, None])
         tl.store(SLSE + prow, lse, mask=rmask)
 
 
 @triton.jit(do_not_specialize=["num_splits"])
 def _merge_shared_kernel(OP, LSE, SOP, SLSE, PART_PTR, O, stride_ot, stride_oh, num_heads, num_splits,
-                         D: tl.constexpr, SPLITS_P2: tl.constexpr, ROWS: tl.constexpr):
-    # one program per (query token, head): the remainder's split partials, then the token's shared
-    # rows ROWS at a time in one pass with a running max (one round of loads for a token's usual
-    # 5-30 rows: the merge is latency-bound, not bandwidth-bound)
+                         D: tl.constexpr, SPLITS_P2: tl.constexpr, ROWS: tl.constexpr, HEADS: tl.constexpr):
+    # one program per (query token, HEADS heads): the remainder's split partials, then the token's
+    # shared rows ROWS at a time with a running max. A token's usual 5-30 rows make the merge
+    # latency-bound: a program per head moved 8 KB a round, one per head block moves HEADS times that
     t = tl.program_id(0)
-    h = tl.program_id(1)
+    h = tl.program_id(1) * HEADS + tl.arange(0, HEADS)
+    hmask = h < num_heads
     offs_s = tl.arange(0, SPLITS_P2)
-    smask = offs_s < num_splits
     offs_d = tl.arange(0, D)
     offs_r = tl.arange(0, ROWS)
-    base = (t.to(tl.int64) * num_heads + h) * num_splits
     r_lo = tl.load(PART_PTR + t)
     r_hi = tl.load(PART_PTR + t + 1)
-    lse = tl.load(LSE + base + offs_s, mask=smask, other=float("-inf"))
-    op = tl.load(OP + (base + offs_s)[:, None] * D + offs_d[None, :], mask=smask[:, None], other=0.0)
-    m = tl.max(lse, axis=0)
+    split = (t.to(tl.int64) * num_heads + h)[:, None] * num_splits + offs_s[None, :]  # [HEADS, SPLITS_P2]
+    smask = hmask[:, None] & (offs_s < num_splits)[None, :]
+    lse = tl.load(LSE + split, mask=smask, other=float("-inf"))
+    op = tl.load(OP + split[:, :, None] * D + offs_d[None, None, :], mask=smask[:, :, None], other=0.0)
+    m = tl.max(lse, axis=1)
     m_safe = tl.where(m > float("-inf"), m, 0.0)
-    w = tl.where(lse > float("-inf"), tl.exp2(lse - m_safe), 0.0)
-    o = tl.sum(op * w[:, None], axis=0)
-    tot = tl.sum(w, axis=0)
+    w = tl.where(lse > float("-inf"), tl.exp2(lse - m_safe[:, None]), 0.0)
+    o = tl.sum(op * w[:, :, None], axis=1)
+    tot = tl.sum(w, axis=1)
     for r0 in range(r_lo, r_hi, ROWS):
-        rmask = r0 + offs_r < r_hi
-        row = (r0 + offs_r) * num_heads + h  # partial rows: int32 offsets
+        rmask = hmask[:, None] & (r0 + offs_r < r_hi)[None, :]
+        row = (r0 + offs_r)[None, :] * num_heads + h[:, None]  # [HEADS, ROWS] partial rows: int32 offsets
         lr = tl.load(SLSE + row, mask=rmask, other=float("-inf"))
-        sop = tl.load(SOP + row[:, None] * D + offs_d[None, :], mask=rmask[:, None], other=0.0)
-        m_new = tl.maximum(m, tl.max(lr, axis=0))
+        sop = tl.load(SOP + row[:, :, None] * D + offs_d[None, None, :], mask=rmask[:, :, None], other=0.0)
+        sop = sop.to(tl.float32)
+        m_new = tl.maximum(m, tl.max(lr, axis=1))
         m_new_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
         alpha = tl.exp2(m - m_new_safe)  # 0 while nothing was seen (m = -inf)
-        wr = tl.where(lr > float("-inf"), tl.exp2(lr - m_new_safe), 0.0)
-        o = o * alpha + tl.sum(sop * wr[:, None], axis=0)
-        tot = tot * alpha + tl.sum(wr, axis=0)
+        wr = tl.where(lr > float("-inf"), tl.exp2(lr - m_new_safe[:, None]), 0.0)
+        o = o * alpha[:, None] + tl.sum(sop * wr[:, :, None], axis=1)
+        tot = tot * alpha + tl.sum(wr, axis=1)
         m = m_new
-    o = tl.where(tot > 0, o / tl.where(tot > 0, tot, 1.0), 0.0)
-    tl.store(O + t.to(tl.int64) * stride_ot + h * stride_oh + offs_d, o.to(O.dtype.element_ty))
+    o = tl.where(tot[:, None] > 0, o / tl.where(tot > 0, tot, 1.0)[:, None], 0.0)
+    out = O + t.to(tl.int64) * stride_ot + h[:, None] * stride_oh + offs_d[None, :]
+    tl.store(out, o.to(O.dtype.element_ty), mask=hmask[:, None])
 
 
-MERGE_ROWS = 16  # partial rows the merge loads at once
+MERGE_ROWS, MERGE_HEADS = 8, 8  # partial rows and heads the merge loads at once
 
 
 def launch_config(dtype: torch.dtype, num_heads: int, kv_heads: int, head_dim: int, page_size: int, *,
@@ -153,14 +156,36 @@ def launch_config(dtype: torch.dtype, num_heads: int, kv_heads: int, head_dim: i
     return tuning.Launch(_shared_kernel, constexprs, options)
 
 
+# a 16-bit query's partial outputs are stored in its dtype: normalised, they need no more precision
+# than the output, and half the bytes halve the merge's reads (the chunk-major prefill's largest cost
+# after its own kernel); log-sum-exps stay fp32
+HALF_PARTIALS = True
+SIDE_STREAM = True  # on a GPU, the chunk-major kernel runs beside the request kernels (benchmarks turn it off)
+_side_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream | None:
+    """The stream the chunk-major kernel runs on while the request kernels run on the current
+    one: the request kernels' programs fill the SMs its last programs leave idle. None on the CPU."""
+    if device.type != "cuda" or not SIDE_STREAM:
+        return None
+    if device not in _side_streams:
+        _side_streams[device] = torch.cuda.Stream(device)
+    return _side_streams[device]
+
+
 def _shared_partials(q, k_pages, v_pages, k_scale, v_scale, plan: SharedPlan, q_pos, inv_freq, sm_scale,
                      ape_temperature, ape_scale, num_warps, num_stages):
-    """Run the chunk-major kernel: partial outputs [rows, H, D] and log2-sum-exps [rows, H]."""
+    """Launch the chunk-major kernel: partial outputs [rows, H, D] and log2-sum-exps [rows, H],
+    and the side stream it runs on (None: the current one), which the merge joins."""
     H, D = q.shape[1], q.shape[2]
     _, PS, Hkv, _ = k_pages.shape
     rows = max(1, plan.layout.rows)
-    sop = scratch((rows, H, D), q.device)
+    # allocated on the current stream, which waits for the side one before the merge reads them
+    half = HALF_PARTIALS and q.dtype in (torch.float16, torch.bfloat16)
+    sop = scratch((rows, H, D), q.device, q.dtype if half else torch.float32)
     slse = scratch((rows, H), q.device)
+    side = _side_stream(q.device) if plan.layout.works else None
     ape = ape_enabled(ape_temperature, ape_scale)
     launch = launch_config(q.dtype, H, Hkv, D, PS, grouped=plan.grouped, block_m=plan.block_m,
                            idx64=needs_idx64(k_pages, v_pages), ape=ape, fp8=k_pages.dtype == FP8,
@@ -168,21 +193,28 @@ def _shared_partials(q, k_pages, v_pages, k_scale, v_scale, plan: SharedPlan, q_
     if plan.layout.works:
         grid = (plan.layout.works, Hkv if plan.grouped else H)
         ks, vs, stride_ksp, stride_vsp, stride_st = scale_args(k_pages, k_scale, v_scale)
-        _shared_kernel[grid](q, k_pages, v_pages, ks, vs, sop, slse, plan.head, plan.work, plan.use, plan.item,
-                             plan.page, q_pos, inv_freq, q.stride(0), q.stride(1), k_pages.stride(0),
-                             k_pages.stride(1), k_pages.stride(2), v_pages.stride(0), v_pages.stride(1),
-                             v_pages.stride(2), stride_ksp, stride_vsp, stride_st, H,
-                             *logit_scales(sm_scale, ape_temperature, ape_scale), **launch.constexprs,
-                             **launch.options)
-    return sop, slse
+        if side is not None:
+            side.wait_stream(torch.cuda.current_stream(q.device))
+        with torch.cuda.stream(side):  # a no-op for None
+            _shared_kernel[grid](q, k_pages, v_pages, ks, vs, sop, slse, plan.head, plan.work, plan.use, plan.item,
+                                 plan.page, q_pos, inv_freq, q.stride(0), q.stride(1), k_pages.stride(0),
+                                 k_pages.stride(1), k_pages.stride(2), v_pages.stride(0), v_pages.stride(1),
+                                 v_pages.stride(2), stride_ksp, stride_vsp, stride_st, H,
+                                 *logit_scales(sm_scale, ape_temperature, ape_scale), **launch.constexprs,
+                                 **launch.options)
+    return sop, slse, side
 
 
-def _merger(sop, slse, plan: SharedPlan):
+def _merger(sop, slse, plan: SharedPlan, side: torch.cuda.Stream | None):
     """The request kernels' merge step: their split partials with the shared ones."""
     def merge(op, lse, o, num_splits):
+        if side is not None:
+            torch.cuda.current_stream(o.device).wait_stream(side)
         T, H, D = o.shape
-        _merge_shared_kernel[(T, H)](op, lse, sop, slse, plan.part_ptr, o, o.stride(0), o.stride(1), H, num_splits,
-                                     D=D, SPLITS_P2=triton.next_power_of_2(num_splits), ROWS=MERGE_ROWS, num_warps=4)
+        heads = min(MERGE_HEADS, triton.next_power_of_2(H))
+        _merge_shared_kernel[(T, triton.cdiv(H, heads))](
+            op, lse, sop, slse, plan.part_ptr, o, o.stride(0), o.stride(1), H, num_splits, D=D,
+            SPLITS_P2=triton.next_power_of_2(num_splits), ROWS=MERGE_ROWS, HEADS=heads, num_warps=4)
     return merge
 
 
@@ -192,11 +224,11 @@ def shared_decode(q, k_pages, v_pages, pages: PageTable, plan: SharedPlan, q_pos
     o = torch.empty_like(q) if out is None else out
     if q.shape[0] == 0:
         return o
-    sop, slse = _shared_partials(q, k_pages, v_pages, k_scale, v_scale, plan, q_pos, inv_freq, sm_scale,
-                                 ape_temperature, ape_scale, num_warps, num_stages)
+    sop, slse, side = _shared_partials(q, k_pages, v_pages, k_scale, v_scale, plan, q_pos, inv_freq, sm_scale,
+                                       ape_temperature, ape_scale, num_warps, num_stages)
     return decode.lazy_decode(q, k_pages, v_pages, pages, q_pos, inv_freq, sm_scale, True, ape_temperature,
                               ape_scale, k_scale, v_scale, num_splits=num_splits, out=o,
-                              merge=_merger(sop, slse, plan))
+                              merge=_merger(sop, slse, plan, side))
 
 
 def shared_prefill(q, k_pages, v_pages, pages: PageTable, plan: SharedPlan, cu_seqlens_q, q_pos, inv_freq, sm_scale,
@@ -206,8 +238,8 @@ def shared_prefill(q, k_pages, v_pages, pages: PageTable, plan: SharedPlan, cu_s
     o = torch.empty_like(q) if out is None else out
     if q.shape[0] == 0 or pages.batch == 0:
         return o
-    sop, slse = _shared_partials(q, k_pages, v_pages, k_scale, v_scale, plan, q_pos, inv_freq, sm_scale,
-                                 ape_temperature, ape_scale, num_warps, num_stages)
+    sop, slse, side = _shared_partials(q, k_pages, v_pages, k_scale, v_scale, plan, q_pos, inv_freq, sm_scale,
+                                       ape_temperature, ape_scale, num_warps, num_stages)
     return prefill.lazy_prefill(q, k_pages, v_pages, pages, cu_seqlens_q, q_pos, inv_freq, sm_scale, True,
                                 ape_temperature, ape_scale, k_scale, v_scale, max_seqlen_q=max_seqlen_q,
-                                num_splits=num_splits, out=o, merge=_merger(sop, slse, plan))
+                                num_splits=num_splits, out=o, merge=_merger(sop, slse, plan, side))

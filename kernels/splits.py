@@ -53,11 +53,11 @@ def _merge_splits_kernel(OP, LSE, O, stride_ob, stride_oh, num_heads, num_splits
     tl.store(O + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d, o.to(O.dtype.element_ty))
 
 
-def scratch(shape, device) -> torch.Tensor:
-    """fp32 working memory for split partials, NaN-filled under the tests' POISON_SCRATCH."""
+def scratch(shape, device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Working memory for split partials (fp32 unless said), NaN-filled under the tests' POISON_SCRATCH."""
     if POISON_SCRATCH:
-        return torch.full(shape, float("nan"), device=device, dtype=torch.float32)
-    return torch.empty(shape, device=device, dtype=torch.float32)
+        return torch.full(shape, float("nan"), device=device, dtype=dtype)
+    return torch.empty(shape, device=device, dtype=dtype)
 
 
 def merge_splits(op: torch.Tensor, lse: torch.Tensor, o: torch.Tensor, num_splits: int) -> None:

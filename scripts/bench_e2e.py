@@ -569,6 +569,9 @@ def main() -> None:
                          "with and without recompute")
     ap.add_argument("--batch-sizes", type=lambda s: [int(x) for x in s.split(",") if x], default=[16, 32, 64, 128])
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs anywhere (the engine's --eager)")
+    ap.add_argument("--serial-chunk-major", action="store_true",
+                    help="diagnosis: the chunk-major kernel on the request kernels' stream, its partial outputs "
+                         "in fp32 (what overlapping them and halving the partials' bytes buys end to end)")
     ap.add_argument("--warm", action="store_true",
                     help="after the closed Zipf rounds (in the batch sweep: after the cold runs, those without "
                          "recompute), time lazy and block once more on a cache warmed by an untimed pass over the "
@@ -585,6 +588,10 @@ def main() -> None:
         return plot(args.plot)
     DOCS, DOC_TOKENS = args.docs, args.doc_tokens
     import torch
+
+    if args.serial_chunk_major:
+        from lazyrag.kernels import shared_attention
+        shared_attention.SIDE_STREAM = shared_attention.HALF_PARTIALS = False
 
     out_dir().mkdir(parents=True, exist_ok=True)
     results = []

@@ -51,6 +51,38 @@ def synthetic_corpus(path: Path, docs: int, chars: int) -> None:
             fh.write(json.dumps({"id": f"d{i}", "text": text}) + "\n")
 
 
+class Timeline:
+    """When index's batches came off the GPU and when its segments were written (host clock),
+    recorded by wrapping the two calls its writer threads make."""
+
+    def __init__(self):
+        self.copies: list[tuple[float, float]] = []
+        self.writes: list[tuple[float, float]] = []
+
+    def wrap(self, fn, spans):
+        def timed(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                spans.append((t0, time.perf_counter()))
+        return timed
+
+    def summary(self, t0: float, t_end: float) -> str:
+        if not self.writes:
+            return "no writes"
+        spans = sorted(self.writes)
+        busy, hi = 0.0, spans[0][0]
+        for a, b in spans:  # the union of the write spans: when at least one segment was being written
+            busy += max(0.0, b - max(a, hi))
+            hi = max(hi, b)
+        first, last = spans[0][0], max(b for _, b in spans)
+        model_done = max(b for _, b in self.copies)
+        return (f"first write began {first - t0:.2f} s; last batch off the GPU {model_done - t0:.2f} s; a write "
+                f"under way {busy:.2f} s of the {last - first:.2f} s from first to last; last write done "
+                f"{last - t0:.2f} s; index returned {t_end - t0:.2f} s")
+
+
 def disk_speed_mb_s(directory: Path, mb: int) -> tuple[float, float]:
     """The disk's sequential write speed over `mb` MB: one dd stream, and as many as index's writers."""
     return disk_write_mb_s(directory, mb), disk_write_mb_s(directory, mb, index.WRITER_THREADS)
@@ -120,10 +152,14 @@ def main() -> None:
         return encode_chunks(*a, **k)
 
     index.encode_chunks = timed_encode
+    timeline = Timeline()
+    index.aligned_host_copy = timeline.wrap(index.aligned_host_copy, timeline.copies)
+    Store.append = timeline.wrap(Store.append, timeline.writes)
     t = time.perf_counter()
     result = build_index(cfg, progress=False, loaded=loaded)
     sync()
     index_s = time.perf_counter() - t
+    timeline_row = timeline.summary(t, t + index_s)
     setup_s = encode_at[0] - t
     with Store.open(cfg.store) as store:
         summary = store.summary()
@@ -154,6 +190,7 @@ def main() -> None:
         ("where index's time went", f"{index_s:.1f} s: {setup_s:.2f} s before the first batch; the model waited {result.write_wait_s:.1f} s for writers "
                                     f"(a free one, then the last writes); writers, summed over threads: {result.writer_copy_s:.1f} s copying "
                                     f"off the GPU, {result.writer_store_s:.1f} s storing"),
+        ("index's timeline", timeline_row),
         ("store on disk / raw KV", f"{summary['bytes'] / 1e6:,.1f} MB / {raw / 1e6:,.1f} MB = "
                                    f"{summary['bytes'] / raw:.3f}"),
     ]

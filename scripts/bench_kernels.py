@@ -429,6 +429,15 @@ def shared_rows(copy_bw, bw_lim, mm_lim):
                                                dict(num_stages=4)):
             alts.append(" ".join(f"{k}={v}" for k, v in opts.items()) +
                         f" {timed(lambda opts=opts: chunk_major(plan, **opts)) * 1e3:.1f} us")
+        from lazyrag.kernels import shared_attention as sa
+        for name, value in [] if SMOKE else [("HALF_PARTIALS", False), ("SIDE_STREAM", False), ("MERGE_HEADS", 4), ("MERGE_HEADS", 16),
+                                             ("MERGE_ROWS", 4), ("MERGE_ROWS", 16)]:
+            default = getattr(sa, name)
+            setattr(sa, name, value)
+            try:
+                alts.append(f"{name.lower()}={value} {timed(chunk_major) * 1e3:.1f} us")
+            finally:
+                setattr(sa, name, default)
         kind = "decode" if decode else f"prefill {q_len} tokens"
         step = f"{B} x 5 x {chunk_len}, Zipf 2.1 over {docs}"
         log(f"  shared {kind}: {shared.groups} shared chunks, {shared.uses} uses; " +

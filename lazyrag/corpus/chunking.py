@@ -6,8 +6,9 @@ concatenate back to exactly the document's ids: no token is split or re-tokenize
 
 from __future__ import annotations
 
+import functools
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -70,7 +71,12 @@ def chunk_document(text: str, tokenizer: Tokenizer, chunk_tokens: int) -> list[C
     if n <= chunk_tokens:
         return [_make_chunk(text, ids, offsets, 0, n)]
 
-    strength = _boundary_strengths(text, offsets)
+    # a cut only looks back from the end of its window, stopping at a paragraph: strengths are
+    # computed as it asks for them (for every token, they were most of the time of chunking)
+    @functools.cache
+    def strength(i: int) -> int:
+        return _strength_before(text, offsets[i][0], offsets[i][1]) if 0 < i < n else _ANY
+
     chunks = []
     start = 0
     while n - start > chunk_tokens:
@@ -81,14 +87,14 @@ def chunk_document(text: str, tokenizer: Tokenizer, chunk_tokens: int) -> list[C
     return chunks
 
 
-def _choose_cut(strength: Sequence[int], offsets: Sequence[tuple[int, int]], start: int, chunk_tokens: int) -> int:
+def _choose_cut(strength: Callable[[int], int], offsets: Sequence[tuple[int, int]], start: int, chunk_tokens: int) -> int:
     """The index of the first token of the next chunk: in (start, start + chunk_tokens]."""
     limit = start + chunk_tokens
     earliest = start + (chunk_tokens + 1) // 2  # second half of the window only
     best_at, best = limit, -1
     for c in range(limit, max(earliest, start + 1) - 1, -1):
-        if strength[c] > best:
-            best_at, best = c, strength[c]
+        if (s := strength(c)) > best:
+            best_at, best = c, s
             if best == _PARAGRAPH:
                 break
     if best > _ANY:
@@ -99,14 +105,6 @@ def _choose_cut(strength: Sequence[int], offsets: Sequence[tuple[int, int]], sta
         if offsets[c][0] >= offsets[c - 1][1]:
             return c
     return limit
-
-
-def _boundary_strengths(text: str, offsets: Sequence[tuple[int, int]]) -> list[int]:
-    """strength[i]: how good a place to cut just before token i is."""
-    out = [_ANY] * (len(offsets) + 1)
-    for i in range(1, len(offsets)):
-        out[i] = _strength_before(text, offsets[i][0], offsets[i][1])
-    return out
 
 
 def _strength_before(text: str, start: int, end: int) -> int:

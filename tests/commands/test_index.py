@@ -151,3 +151,25 @@ def test_index_killed_midway_resumes_to_the_same_store(tmp_path):
     assert len(ids) == len(set(ids)) == len(reference)
     for cid, kv in reference.items():
         np.testing.assert_allclose(resumed[cid], kv, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_batch_writer_hands_over_every_batch_while_touching_its_buffers(monkeypatch, threads):
+    """Writer threads touch their buffers a piece at a time between looks at the queue; every
+    batch still reaches `write` whole, and a batch larger than a buffer gets a new one."""
+    from lazyrag.commands import index
+
+    monkeypatch.setattr(index, "PREFAULT_PIECE", 4096)
+    seen = {}
+
+    def write(chunks, kv):
+        seen[chunks[0]] = kv.copy()  # the buffer is reused once write returns
+
+    writer = index.BatchWriter(write, threads=threads, prefault_bytes=5 * 4096 + 100)
+    batches = {f"b{i}": torch.randn(n, 7) for i, n in enumerate([3, 900, 40, 1, 2000])}
+    for name, kv in batches.items():
+        writer.put([name], kv)
+    writer.close()
+    assert seen.keys() == batches.keys()
+    for name, kv in batches.items():
+        np.testing.assert_array_equal(seen[name], kv.numpy())

@@ -185,6 +185,25 @@ def test_chunk_major_interp(interp, name, kw, private, decode, grouped, fp8):
 
 
 @pytest.mark.parametrize("decode", [True, False])
+def test_merge_in_head_blocks_and_row_rounds_interp(interp, monkeypatch, decode):
+    """The merge's head blocks, the last one partial (6 heads in blocks of 4), and a token's
+    partial rows taken a few at a time (rounds of 2), against the reference."""
+    from lazyrag.kernels import shared_attention
+
+    monkeypatch.setattr(shared_attention, "MERGE_HEADS", 4)
+    monkeypatch.setattr(shared_attention, "MERGE_ROWS", 2)
+    name, kw, private = CASES[1]  # 6 heads, one chunk at six deltas
+    kw = dict(kw, plan=[[0], [0, 0], [0]], base_offsets=[0, 3, 70001])
+    c, shared, rest = shared_inputs(name, kw, private, decode)
+    plan = plan_shared(shared, c.cu, c.q.shape[1], c.k_pages.shape[2], c.q.shape[2], decode=decode, block_m=16,
+                       num_splits=2)
+    got = run_triton(c, rest, plan, decode)
+    assert not torch.isnan(got).any(), "unwritten output elements"
+    want = reference.lazy_prefill(c.q, c.k_pages, c.v_pages, c.pages, c.cu, c.q_pos, c.inv_freq, c.sm_scale)
+    assert rel_err(got, want) < tol(c.q.dtype), rel_err(got, want)
+
+
+@pytest.mark.parametrize("decode", [True, False])
 def test_chunk_major_ape_interp(interp, decode):
     """APE's temperature and scale on the chunk entries, shared ones included."""
     kw = dict(seed=55, H=4, Hkv=2, plan=[[0, 1], [1, 0], [1]], chunk_lens=(30, 40), q_lens=[1, 1, 1] if decode else

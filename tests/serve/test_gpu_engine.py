@@ -99,9 +99,13 @@ def test_cuda_graph_decode_matches_eager(setup, mode):
         ids = torch.tensor([r.generated[-1] for r in reqs], device=loaded.device)
         on_device = runner.graphs.run([r.feed([0]) for r in reqs], ids)[:, : runner.vocab].float()
         assert torch.equal(on_device, replayed)
-        # the same padded batch run eagerly: the same matmul shapes, so close to bit-exact
-        host, packed = pack_step(feeds, engine.pool.page_size, batch=4, pad_slot=runner.graphs.pad_slot)
+        # the same padded batch run eagerly: the same matmul shapes and attention kernels (in lazy,
+        # the graph's own chunk-major plan and the feeds it packs), so close to bit-exact
+        plan = runner.graphs._plans[4] if runner.chunk_major else None
+        host, packed = pack_step(feeds if plan is None else runner.chunk_major.graph_feeds(feeds, plan),
+                                 engine.pool.page_size, batch=4, pad_slot=runner.graphs.pad_slot)
         step = StepInputs.on(host.to(loaded.device), packed)
+        step.shared = plan
         attention = PagedAttention(engine.pool, step, model.inv_freq, runner.sm_scale, engine.mode.rotate_queries)
         padded = model.logits(model(step.tokens, step.positions, attention))[:3, : runner.vocab].float()
         assert rel(replayed, padded) < 2e-3
