@@ -569,9 +569,6 @@ def main() -> None:
                          "with and without recompute")
     ap.add_argument("--batch-sizes", type=lambda s: [int(x) for x in s.split(",") if x], default=[16, 32, 64, 128])
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs anywhere (the engine's --eager)")
-    ap.add_argument("--recompute-chunk-major", action="store_true",
-                    help="diagnosis: recomputed pages read the shared pages before them chunk-major too "
-                         "(lazyrag/serve/runner.py, RECOMPUTE_CHUNK_MAJOR)")
     ap.add_argument("--serial-chunk-major", action="store_true",
                     help="diagnosis: the chunk-major kernel on the request kernels' stream, its partial outputs "
                          "in fp32 (what overlapping them and halving the partials' bytes buys end to end)")
@@ -592,9 +589,6 @@ def main() -> None:
     DOCS, DOC_TOKENS = args.docs, args.doc_tokens
     import torch
 
-    if args.recompute_chunk_major:
-        from lazyrag.serve import runner
-        runner.RECOMPUTE_CHUNK_MAJOR = True
     if args.serial_chunk_major:
         from lazyrag.kernels import shared_attention
         shared_attention.SIDE_STREAM = shared_attention.HALF_PARTIALS = False

@@ -18,19 +18,13 @@ from lazyrag.serve.request import Sequence
 from lazyrag.serve.sharing import ChunkMajor
 
 
-# Recomputed pages read the shared pages before them per request: each of a page's 64 queries
-# writes a partial row per chunk run when chunk-major, and on the H200 paper workload that cost
-# more than the shared reads saved (lazy with recompute 16.1 req/s chunk-major, 21.9 per request,
-# with fp32 partials merged one head a program). bench_e2e --recompute-chunk-major measures it again.
-RECOMPUTE_CHUNK_MAJOR = False
-
-
-def recompute_feed(rows: np.ndarray, row: int, tokens: list[int], shared: np.ndarray | None = None) -> Feed:
+def recompute_feed(rows: np.ndarray, row: int, tokens: list[int]) -> Feed:
     """Compute a chunk page's tokens into the page `rows[row]` names, attending to the rows
     before it: at their logical positions (start + delta), keys rotated at the stored ones.
-    shared: the request's row labels (Feed.shared), for chunk-major reads of the shared rows."""
-    labels = None if shared is None else shared[: row + 1]
-    return Feed(rows[: row + 1], row, int(rows[row, START] + rows[row, DELTA]), 0, tokens, shared=labels)
+    It reads its pages per request, never chunk-major: a page's 64 queries would each write a
+    partial row per chunk run, and on the H200 paper workload that cost more than the shared
+    reads saved (lazy with recompute 16.1 req/s chunk-major, 21.9 per request)."""
+    return Feed(rows[: row + 1], row, int(rows[row, START] + rows[row, DELTA]), 0, tokens)
 
 
 def prompt_feeds(seq: Sequence, tokens: list[int]) -> list[Feed]:
@@ -38,8 +32,7 @@ def prompt_feeds(seq: Sequence, tokens: list[int]) -> list[Feed]:
     step: every layer writes the step's K/V before it attends, so a recomputed page sees the
     pages recomputed before it, and the prompt sees them all."""
     p = seq.placement
-    shared = p.shared if RECOMPUTE_CHUNK_MAJOR else None
-    return [recompute_feed(p.rows, row, chunk, shared) for row, chunk in p.recompute] + [seq.feed(tokens)]
+    return [recompute_feed(p.rows, row, chunk) for row, chunk in p.recompute] + [seq.feed(tokens)]
 
 
 class AttentionProbe:

@@ -37,9 +37,8 @@ def cut_feeds(feeds: list[Feed]) -> SharedFeeds | None:
     """The shared runs of the feeds' labelled rows (Feed.shared) and each feed's remainder;
     None where no feed has labelled rows. Labelled rows must be context rows whose keys
     all precede the feed's tokens: the chunk-major kernels apply no causal mask to them.
-    Feeds without labelled rows (a recomputed page's, unless runner.RECOMPUTE_CHUNK_MAJOR) are
-    their own remainder, and are left out of the grouping: a step with recompute has some ten
-    of them for each labelled feed."""
+    Feeds without labelled rows (a recomputed page's) are their own remainder, and are left
+    out of the grouping: a step with recompute has some ten of them for each labelled feed."""
     labelled = [b for b, f in enumerate(feeds) if f.shared is not None and f.shared.any()]
     if not labelled:
         return None

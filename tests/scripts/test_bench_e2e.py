@@ -37,7 +37,7 @@ def test_bench_e2e_batch_sweep_with_recompute(tmp_path):
     (tmp_path / "tmp").mkdir()
     cmd = [sys.executable, str(ROOT / "scripts" / "bench_e2e.py"), "--models", "random:tiny", "--docs", "6",
            "--doc-tokens", "160", "--requests", "6", "--full-requests", "3", "--cache-gb", "0.5",
-           "--recompute", "0.2", "--batch-sizes", "2,4", "--page-size", "32", "--recompute-chunk-major"]
+           "--recompute", "0.2", "--batch-sizes", "2,4", "--page-size", "32"]
     run = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     rows = json.loads((tmp_path / "out" / "bench_e2e.json").read_text())["results"][0]["batch_sweep"]

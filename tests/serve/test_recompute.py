@@ -114,23 +114,12 @@ def test_private_pages_replace_exactly_the_chosen_shared_pages(paged_store, tiny
     assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("chunk_major", [False, True])
-def test_recomputed_pages_read_per_request_and_the_prompt_chunk_major(paged_store, tiny, monkeypatch, chunk_major):
-    """By default a recomputed page's feed has no shared rows; with RECOMPUTE_CHUNK_MAJOR it
-    carries the request's labels of the rows before it, its own (private) row unlabelled."""
-    from lazyrag.serve import runner
-
-    monkeypatch.setattr(runner, "RECOMPUTE_CHUNK_MAJOR", chunk_major)
+def test_recomputed_pages_read_per_request_and_the_prompt_chunk_major(paged_store, tiny):
     engine = Engine(tiny, paged_store, "lazy", cache_bytes=8 << 20, batch_size=4, recompute=Recompute(0.5))
     for s in place(engine, requests(paged_store, tiny)):
         *recomputed, prompt = prompt_feeds(s, s.placement.prompt_ids)
         assert len(recomputed) == len(s.placement.recompute) > 0
-        for f, (row, _) in zip(recomputed, s.placement.recompute):
-            if chunk_major:
-                assert f.shared.tolist() == s.placement.shared[: row + 1].tolist() and f.shared[row] == 0
-                assert f.shared.any()
-            else:
-                assert f.shared is None
+        assert all(f.shared is None for f in recomputed)
         assert prompt.shared is not None and prompt.shared.any()
 
 

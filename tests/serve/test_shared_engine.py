@@ -131,14 +131,10 @@ def test_decode_graph_step_matches_the_plain_step(stored, fits):
     engine.close()
 
 
-@pytest.mark.parametrize("recomputed_chunk_major", [False, True], ids=["recomputed_per_request", "all_chunk_major"])
-def test_recompute_gives_the_same_answers_with_and_without_chunk_major(stored, monkeypatch, recomputed_chunk_major):
+def test_recompute_gives_the_same_answers_with_and_without_chunk_major(stored):
     """A recomputed page's feed reads per request beside the chunk-major prompt feeds of the same
-    step (the grouping leaves those feeds out and must still point each shared use at its own
-    request), or reads its shared rows chunk-major too (runner.RECOMPUTE_CHUNK_MAJOR)."""
-    from lazyrag.serve import runner
-
-    monkeypatch.setattr(runner, "RECOMPUTE_CHUNK_MAJOR", recomputed_chunk_major)
+    step: the step's grouping leaves those feeds out and must still point each shared use at its
+    own request."""
     loaded, store = stored
     answers = {}
     for shared in (True, False):
