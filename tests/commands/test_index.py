@@ -5,6 +5,7 @@ import signal
 import sqlite3
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -159,17 +160,23 @@ def test_batch_writer_hands_over_every_batch_while_touching_its_buffers(monkeypa
     batch still reaches `write` whole, and a batch larger than a buffer gets a new one."""
     from lazyrag.commands import index
 
-    monkeypatch.setattr(index, "PREFAULT_PIECE", 4096)
+    monkeypatch.setattr(index, "PREFAULT_PIECE", 64)  # thousands of pieces: batches arrive while they are touched
     seen = {}
 
     def write(chunks, kv):
         seen[chunks[0]] = kv.copy()  # the buffer is reused once write returns
 
-    writer = index.BatchWriter(write, threads=threads, prefault_bytes=5 * 4096 + 100)
+    writer = index.BatchWriter(write, threads=threads, prefault_bytes=(1 << 20) + 100)
     batches = {f"b{i}": torch.randn(n, 7) for i, n in enumerate([3, 900, 40, 1, 2000])}
-    for name, kv in batches.items():
-        writer.put([name], kv)
-    writer.close()
+    def put_all_and_close():
+        for name, kv in batches.items():
+            writer.put([name], kv)
+        writer.close()
+
+    done = threading.Thread(target=put_all_and_close, daemon=True)
+    done.start()
+    done.join(timeout=30)
+    assert not done.is_alive(), "the writers did not finish: a queue item was lost"
     assert seen.keys() == batches.keys()
     for name, kv in batches.items():
         np.testing.assert_array_equal(seen[name], kv.numpy())
