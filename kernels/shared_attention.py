@@ -185,7 +185,7 @@ def _shared_partials(q, k_pages, v_pages, k_scale, v_scale, plan: SharedPlan, q_
     half = HALF_PARTIALS and q.dtype in (torch.float16, torch.bfloat16)
     sop = scratch((rows, H, D), q.device, q.dtype if half else torch.float32)
     slse = scratch((rows, H), q.device)
-    side = _side_stream(q.device) if plan.layout.works else None
+    side = None
     ape = ape_enabled(ape_temperature, ape_scale)
     launch = launch_config(q.dtype, H, Hkv, D, PS, grouped=plan.grouped, block_m=plan.block_m,
                            idx64=needs_idx64(k_pages, v_pages), ape=ape, fp8=k_pages.dtype == FP8,
@@ -193,7 +193,7 @@ def _shared_partials(q, k_pages, v_pages, k_scale, v_scale, plan: SharedPlan, q_
     if plan.layout.works:
         grid = (plan.layout.works, Hkv if plan.grouped else H)
         ks, vs, stride_ksp, stride_vsp, stride_st = scale_args(k_pages, k_scale, v_scale)
-        if side is not None:
+        if (side := _side_stream(q.device)) is not None:
             side.wait_stream(torch.cuda.current_stream(q.device))
         with torch.cuda.stream(side):  # a no-op for None
             _shared_kernel[grid](q, k_pages, v_pages, ks, vs, sop, slse, plan.head, plan.work, plan.use, plan.item,

@@ -74,9 +74,8 @@ class AttentionProbe:
         rows = np.zeros((n, width, 4), np.int32)  # padding rows: page 0, no valid tokens
         for i, (f, c) in enumerate(zip(feeds, counts)):
             rows[i, :c] = f.rows[:c]
-        token = np.full((n, most), -1, np.int64)  # each feed's tokens in the step, -1 past its own
-        for i in range(n):
-            token[i, : cu[i + 1] - cu[i]] = np.arange(cu[i], cu[i + 1])
+        token = cu[:-1, None] + np.arange(most)  # each feed's tokens in the step, -1 past its own
+        token[token >= cu[1:, None]] = -1
         packed = torch.from_numpy(np.concatenate([rows.reshape(-1), token.reshape(-1)]).astype(np.int64))
         if q.is_cuda:
             packed = packed.pin_memory()
