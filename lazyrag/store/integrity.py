@@ -4,7 +4,8 @@ the full check of a store (``lazyrag check``).
 A directory there is this store's segment only if the catalog names it, or if its name has
 the store's segment pattern and it carries the store's marker (written before any data). An
 orphan (marked, not in the catalog: a crash between the data and the catalog commit) may be
-deleted; anything else is left where it is, with a warning. Symbolic links are never followed:
+deleted, and so may a segment-named directory that holds no data, only a torn marker or nothing
+(a crash between its mkdir and its marker); anything else is left where it is, with a warning. Symbolic links are never followed:
 a store deletes nothing outside its own directory.
 """
 
@@ -17,10 +18,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .catalog import Catalog
-from .format import SEGMENT_NAME, SEGMENTS, ChunkReadError
+from .format import SEGMENT_MARKER, SEGMENT_NAME, SEGMENTS, ChunkReadError
 from .segments import SegmentReader, marked_by
 
 Warn = Callable[[str], None]
+MARKER_MAX_BYTES = 1024  # a marker is a line of JSON; anything larger is not one being written
 
 
 def warn_stderr(message: str) -> None:
@@ -54,12 +56,23 @@ def scan_segments(root: Path, store_id: str | None, known: set[str]) -> Segments
         elif child.is_symlink():
             scan.unrecognised.append(f"{child} is a symbolic link, not a segment of this store; left in place")
         elif (child.is_dir() and SEGMENT_NAME.fullmatch(child.name) and store_id is not None
-              and marked_by(child) == store_id):
+              and (marked_by(child) == store_id or never_marked(child))):
             scan.orphans.append(child)
         else:
             scan.unrecognised.append(f"{child} is not a segment of this store; left in place")
     scan.missing = sorted(known - present)
     return scan
+
+
+def never_marked(segment_dir: Path) -> bool:
+    """Whether ``segment_dir`` holds nothing but, at most, a marker too short or broken to read: a
+    segment whose writer stopped before its marker was whole, so it holds no data to lose."""
+    entries = list(segment_dir.iterdir())
+    if not entries:
+        return True
+    marker = entries[0]
+    return (len(entries) == 1 and marker.name == SEGMENT_MARKER and marker.is_file() and not marker.is_symlink()
+            and marker.stat().st_size < MARKER_MAX_BYTES and marked_by(segment_dir) is None)
 
 
 def delete_orphans(root: Path, store_id: str | None, known: set[str], warn: Warn = warn_stderr) -> int:

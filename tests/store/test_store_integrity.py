@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -132,13 +133,39 @@ def test_clean_up_never_deletes_what_the_store_did_not_create(tmp_path):
 
     (path / "segments").unlink()
     (path / "segments").mkdir()
-    victim = next(p for p in (other / "segments").iterdir() if p.name.startswith("seg-0000"))
+    victim = next(p for p in (other / "segments").iterdir() if (p / "lazyrag-segment.json").exists())
     (path / "segments" / "seg-000050-aaaaaaaa").symlink_to(victim)  # a symlinked entry
     shutil.copytree(victim, path / "segments" / victim.name)  # another store's marked segment
-    (path / "segments" / "seg-000060-bbbbbbbb").mkdir()  # our naming but no marker
+    (path / "segments" / "seg-000060-bbbbbbbb").mkdir()  # our naming, no marker, some data
+    (path / "segments" / "seg-000060-bbbbbbbb" / "zarr.json").write_text("{}")
     (path / "segments" / "keep.bin").write_bytes(b"x")
     warnings.clear()
     Store.create_or_open(path, s, warn=warnings.append).close()
     left = sorted(p.name for p in (path / "segments").iterdir())
     assert left == sorted(["seg-000050-aaaaaaaa", victim.name, "seg-000060-bbbbbbbb", "keep.bin"])
     assert victim.exists() and len(warnings) == 4
+
+
+def test_a_segment_stopped_before_its_marker_was_whole_is_deleted_and_nothing_holding_data(tmp_path):
+    """A crash between a segment's mkdir and its marker leaves an empty directory or a torn marker:
+    no data, so opening for writing deletes it. A torn marker beside any other file stays."""
+    path = tmp_path / "s.zarr"
+    s = settings()
+    Store.create_or_open(path, s).close()
+    segments = path / "segments"
+    segments.mkdir(exist_ok=True)
+    (segments / "seg-000001-00000001").mkdir()
+    (segments / "seg-000002-00000002").mkdir()
+    (segments / "seg-000002-00000002" / "lazyrag-segment.json").write_text('{"store_id": "')
+    (segments / "seg-000003-00000003").mkdir()
+    (segments / "seg-000003-00000003" / "lazyrag-segment.json").write_text("")
+    (segments / "seg-000003-00000003" / "c").write_bytes(b"data")
+    (segments / "seg-000004-00000004").mkdir()
+    (segments / "seg-000004-00000004" / "lazyrag-segment.json").write_text(" " * 4096)  # too large to be one
+    with Store.open(path) as st:
+        assert sorted(Path(p).name for p in st.check().orphan_segments) == ["seg-000001-00000001",
+                                                                          "seg-000002-00000002"]
+    warnings: list[str] = []
+    Store.create_or_open(path, s, warn=warnings.append).close()
+    assert sorted(p.name for p in segments.iterdir() if p.is_dir()) == ["seg-000003-00000003", "seg-000004-00000004"]
+    assert len(warnings) == 2 and all("left in place" in w for w in warnings)
