@@ -299,7 +299,7 @@ class SegmentReader:
             rows = int(meta["shape"][0])
         except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
             raise StoreError(f"segment {name} is missing or damaged ({getattr(e, 'strerror', None) or e})") from None
-        key = "/".join([SEGMENTS, name, "c", *(["0"] * len(meta["shape"]))])
+        key = f"{SEGMENTS}/{name}/{shard_key(meta)}"
         file = self._files.where(key)
         seg = _Segment(name=name, file=file, data_start=0, contiguous=False)
         index_bytes = self._own_layout_index_bytes(meta, rows)
@@ -347,6 +347,15 @@ class SegmentReader:
         if index_codecs not in (["bytes"], ["bytes", "crc32c"]):
             return None
         return rows // page_size * 16 + (4 if "crc32c" in index_codecs else 0)
+
+
+def shard_key(meta: dict) -> str:
+    """The key of a one-shard array's shard, relative to the array, under its chunk key encoding."""
+    encoding = meta.get("chunk_key_encoding", {})
+    zeros = ["0"] * len(meta["shape"])
+    if encoding.get("name", "default") == "v2":
+        return encoding.get("configuration", {}).get("separator", ".").join(zeros)
+    return encoding.get("configuration", {}).get("separator", "/").join(["c", *zeros])
 
 
 def _pread_into(fd: int, view: memoryview, offset: int) -> None:

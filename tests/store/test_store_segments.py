@@ -144,3 +144,31 @@ def test_zarr_fallback_read_and_repeated_chunk_in_one_append(tmp_path):
         assert reader.byte_range(info) is None
     finally:
         reader.close()
+
+
+@pytest.mark.parametrize("encoding, key", [({"name": "default", "configuration": {"separator": "."}}, "c.0.0.0.0.0"),
+                                           ({"name": "v2", "configuration": {"separator": "/"}}, "0/0/0/0/0")])
+def test_a_segment_under_another_chunk_key_encoding_still_reads_in_one_read(tmp_path, encoding, key):
+    """The shard is found where the segment's own metadata puts it, not at zarr's default key."""
+    s = settings(kv_dtype="bfloat16")
+    path = tmp_path / "s.zarr"
+    chunks = make_chunks(s, "a", [20, 7])
+    kv = random_kv(s, chunks)
+    with Store.create_or_open(path, s) as st:
+        st.append(chunks, kv)
+        infos = [st.chunk(c.chunk_id) for c in chunks]
+    seg_dir = path / "segments" / infos[0].segment
+    meta = json.loads((seg_dir / "zarr.json").read_text())
+    meta["chunk_key_encoding"] = encoding
+    (seg_dir / "zarr.json").write_text(json.dumps(meta))
+    (seg_dir / key).parent.mkdir(parents=True, exist_ok=True)
+    (seg_dir / "c" / "0" / "0" / "0" / "0" / "0").rename(seg_dir / key)
+    shutil.rmtree(seg_dir / "c")  # the default key's empty folders
+    assert np.array_equal(zarr.open_array(str(seg_dir), mode="r")[:], kv)
+    reader = SegmentReader(path, s)
+    try:
+        for i, info in enumerate(infos):
+            assert reader.byte_range(info)[0] == seg_dir / key
+            assert np.array_equal(as_bits(reader.read_kv(info)), rows_of(kv, s, chunks, i).view(np.uint8))
+    finally:
+        reader.close()
