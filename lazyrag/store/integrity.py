@@ -67,12 +67,15 @@ def scan_segments(root: Path, store_id: str | None, known: set[str]) -> Segments
 def never_marked(segment_dir: Path) -> bool:
     """Whether ``segment_dir`` holds nothing but, at most, a marker too short or broken to read: a
     segment whose writer stopped before its marker was whole, so it holds no data to lose."""
-    entries = list(segment_dir.iterdir())
-    if not entries:
-        return True
-    marker = entries[0]
-    return (len(entries) == 1 and marker.name == SEGMENT_MARKER and marker.is_file() and not marker.is_symlink()
-            and marker.stat().st_size < MARKER_MAX_BYTES and marked_by(segment_dir) is None)
+    try:
+        entries = list(segment_dir.iterdir())
+        if not entries:
+            return True
+        marker = entries[0]
+        return (len(entries) == 1 and marker.name == SEGMENT_MARKER and marker.is_file() and not marker.is_symlink()
+                and marker.stat().st_size < MARKER_MAX_BYTES and marked_by(segment_dir) is None)
+    except OSError:  # unreadable: not ours to judge
+        return False
 
 
 def delete_orphans(root: Path, store_id: str | None, known: set[str], warn: Warn = warn_stderr) -> int:
