@@ -5,8 +5,8 @@ A directory there is this store's segment only if the catalog names it, or if it
 the store's segment pattern and it carries the store's marker (written before any data). An
 orphan (marked, not in the catalog: a crash between the data and the catalog commit) may be
 deleted, and so may a segment-named directory that holds no data, only a torn marker or nothing
-(a crash between its mkdir and its marker); anything else is left where it is, with a warning. Symbolic links are never followed:
-a store deletes nothing outside its own directory.
+(a crash between its mkdir and its marker); anything else is left where it is, with a warning.
+Symbolic links are never followed: a store deletes nothing outside its own directory.
 """
 
 from __future__ import annotations
