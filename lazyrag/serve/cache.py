@@ -1,7 +1,9 @@
 """The chunk cache: which chunks' KV is resident in the page pool, and the pool's allocator.
 
 A chunk is the unit of caching. It is pinned while any running request uses it;
-eviction takes the least recently used unpinned chunks. The cache is the only thing
+eviction takes the least recently used unpinned chunks. The pages selective recompute wrote for
+a chunk after a given run of leading chunks (lazyrag/serve/recompute.py) are entries of the same
+LRU, under their chain key, pinned and evicted the same way. The cache is the only thing
 that hands out and takes back pool pages (chunk pages, a request's own pages, block
 mode's private copies), so it can evict to make room. Moving bytes in (disk, host
 tier, prefetch) is the loader's job (lazyrag/serve/loader.py).
@@ -32,6 +34,8 @@ class CacheCounters:
     bytes_read: int = 0       # from the store on disk
     bytes_to_gpu: int = 0     # copied into the pool
     evictions: int = 0
+    recomputed_tokens: int = 0  # chunk tokens recomputed (selective recompute)
+    reused_tokens: int = 0      # recomputed chunk tokens taken from the cache instead
     read_wait_s: float = 0.0  # time the engine waited on chunk reads (from disk, or prefetched still in flight)
     peak_pages: int = 0
     pool_pages: int = 0
@@ -45,8 +49,15 @@ class CacheCounters:
     def token_hit_ratio(self) -> float:
         return self.hit_tokens / self.lookup_tokens if self.lookup_tokens else 0.0
 
+    @property
+    def reuse_ratio(self) -> float:
+        """Share of the recomputed tokens requests read that were reused, not computed."""
+        total = self.recomputed_tokens + self.reused_tokens
+        return self.reused_tokens / total if total else 0.0
+
     def to_json(self) -> dict:
-        return {**asdict(self), "hit_ratio": round(self.hit_ratio, 4), "token_hit_ratio": round(self.token_hit_ratio, 4)}
+        return {**asdict(self), "hit_ratio": round(self.hit_ratio, 4), "token_hit_ratio": round(self.token_hit_ratio, 4),
+                "reuse_ratio": round(self.reuse_ratio, 4)}
 
 
 @dataclass
@@ -56,11 +67,31 @@ class Resident:
     pages: list[int]
     pins: int = 0
 
+    @property
+    def key(self) -> str:
+        return self.info.chunk_id
+
+
+@dataclass
+class Recomputed:
+    """The pages selective recompute wrote for one chunk after one run of leading chunks:
+    `selection` names which of the chunk's pages they replace, in order (it may be empty)."""
+    key: str
+    selection: tuple[int, ...]
+    pages: list[int]
+    tokens: int = 0  # the chunk tokens they hold
+    pins: int = 0
+
 
 class ChunkCache:
+    # entries of recomputed pages that hold none (a chunk none of whose pages was chosen) cost no
+    # pages, so nothing evicts them: the oldest go past this many
+    MAX_EMPTY_RECOMPUTED = 100_000
+
     def __init__(self, pool: PagePool, loader: Loader):
         self.pool, self.loader = pool, loader
-        self._resident: OrderedDict[str, Resident] = OrderedDict()  # LRU order: oldest first
+        self._resident: OrderedDict[str, Resident | Recomputed] = OrderedDict()  # LRU order: oldest first
+        self._empty: OrderedDict[str, None] = OrderedDict()  # keys of Recomputed entries without pages
         self.counters = CacheCounters(pool_pages=pool.num_pages, page_bytes=pool.bytes_per_page)
 
     # -- chunks ---------------------------------------------------------------------
@@ -95,11 +126,41 @@ class ChunkCache:
         """Unpin: the chunk stays resident, evictable once no request uses it."""
         entry.pins -= 1
 
-    def evict(self, chunk_id: str) -> None:
-        entry = self._resident.pop(chunk_id)
+    def evict(self, key: str) -> None:
+        entry = self._resident.pop(key)
         assert entry.pins == 0, "evicting a pinned chunk"
+        self._empty.pop(key, None)
         self.pool.release(entry.pages)
-        self.counters.evictions += 1
+        self.counters.evictions += isinstance(entry, Resident)
+
+    # -- recomputed pages -------------------------------------------------------------
+    def find_recomputed(self, key: str) -> Recomputed | None:
+        """Pin and return the recomputed pages kept under `key` (lazyrag/serve/recompute.py), if any."""
+        entry = self._resident.get(key)
+        if entry is None:
+            return None
+        self._resident.move_to_end(key)
+        entry.pins += 1
+        self.counters.reused_tokens += entry.tokens
+        return entry
+
+    def keep_recomputed(self, key: str, selection: tuple[int, ...], pages: list[int], tokens: int) -> Recomputed:
+        """Hand `pages` (from alloc, about to be recomputed: `tokens` chunk tokens) to the cache
+        under `key`, pinned for the caller; a later request finds them with find_recomputed."""
+        self.counters.recomputed_tokens += tokens
+        entry = self._resident[key] = Recomputed(key, selection, pages, tokens, pins=1)
+        if not pages:
+            self._empty[key] = None
+            if len(self._empty) > self.MAX_EMPTY_RECOMPUTED:
+                oldest = next(k for k in self._empty if self._resident[k].pins == 0)
+                self.evict(oldest)
+        return entry
+
+    def drop_recomputed(self, entry: Recomputed) -> None:
+        """Forget an entry whose pages were never computed (its step failed): unpin and evict it."""
+        entry.pins -= 1
+        if self._resident.get(entry.key) is entry and entry.pins == 0:
+            self.evict(entry.key)
 
     def prefetch(self, infos: list[ChunkInfo]) -> None:
         """Read ahead the chunks coming requests need that are not in the pool, in the order given
@@ -116,10 +177,10 @@ class ChunkCache:
         if n > self.pool.num_pages:
             raise OutOfPages(f"{n} pages asked for, but the pool holds {self.pool.num_pages}: raise --cache-gb")
         while self.pool.num_free < n:
-            victim = next((e for e in self._resident.values() if e.pins == 0), None)
+            victim = next((e for e in self._resident.values() if e.pins == 0 and e.pages), None)
             if victim is None:
                 raise OutOfPages(f"need {n} pages, {self.pool.num_free} free, all chunks pinned")
-            self.evict(victim.info.chunk_id)
+            self.evict(victim.key)
         pages = self.pool.alloc(n)
         self.counters.peak_pages = self.pool.peak_used
         return pages

@@ -81,7 +81,7 @@ class Engine:
             cfg = loaded.cfg
             chunk_major = ChunkMajor(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, loaded.device)
         self.runner = Runner(loaded, self.pool, mode_class.rotate_queries, ape, chunk_major)
-        self.mode = mode_class(s.preamble_ids, s.page_size, self.runner.rotate_copy, recompute)
+        self.mode = mode_class(s.preamble_ids, s.page_size, self.runner.rotate_copy, recompute, namespace=s.fingerprint)
         self.sampler = Sampler(sampling)
         self.stop_ids = loaded.eos_ids if stop_at_eos else set()  # benchmarks fix the answer length
         preamble = self.mode.place_preamble(self.cache)
@@ -103,8 +103,9 @@ class Engine:
         scheduler = Scheduler(self.mode, self.cache, self.batch_size, sequences, lookahead, on_error)
         while (step := scheduler.schedule()) is not None:
             if step.prefill:
-                self._choose_recompute(step.batch)
-            logits = self.runner.prefill(step.batch) if step.prefill else self.runner.decode(step.batch)
+                logits = self._prefill(step.batch)
+            else:
+                logits = self.runner.decode(step.batch)
             sampled = self._sample(step.batch, logits, pending=0)
             while scheduler.decodes_next(step.batch, pending=1):
                 logits = self.runner.decode(step.batch, sampled.ids)
@@ -148,17 +149,34 @@ class Engine:
         done = 0
         while (step := scheduler.schedule()) is not None:  # each batch is finished once scored: all prefill
             n = len(step.batch)
-            self._choose_recompute(step.batch)
-            yield from self.runner.teacher_forced_logits(step.batch, continuations[done: done + n])
+            yield from self._computing_recompute(step.batch, self.runner.teacher_forced_logits, step.batch,
+                                                 continuations[done: done + n])
             done += n
             scheduler.finish(step.batch)
+
+    def _prefill(self, batch: list[Sequence]) -> torch.Tensor:
+        return self._computing_recompute(batch, self.runner.prefill, batch)
+
+    def _computing_recompute(self, batch: list[Sequence], step, *args):
+        """Run `step(*args)`, the batch's first step, after choosing its recompute; if it fails,
+        the recomputed pages it was to compute are forgotten (no later request may read them)."""
+        try:
+            self._choose_recompute(batch)
+            out = step(*args)
+        except BaseException:
+            for seq in batch:
+                seq.placement.forget_created(self.cache)
+            raise
+        for seq in batch:
+            seq.placement.created = []  # computed: later requests may read them
+        return out
 
     def _choose_recompute(self, batch: list[Sequence]) -> None:
         """For the `attention` policy: rank each admitted request's chunk pages by the attention
         its prompt pays them, in a pass over the first layers, then assign its recompute."""
         if self.mode.recompute.needs_scores:
             for seq, mass in zip(batch, self.runner.row_attention(batch, self.ranking_layer)):
-                self.mode.assign_recompute(seq.request, seq.placement, mass)
+                self.mode.assign_recompute(seq.request, seq.placement, self.cache, mass)
 
     def close(self) -> None:
         self.cache.close()

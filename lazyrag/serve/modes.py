@@ -25,7 +25,7 @@ import torch
 from lazyrag.config import Mode
 from lazyrag.serve.cache import ChunkCache, Resident
 from lazyrag.serve.paged import LENGTH, PAGE, Feed, page_rows, pages_for
-from lazyrag.serve.recompute import Recompute, choose, pages_to_recompute
+from lazyrag.serve.recompute import Recompute, chain_root, chained, choose, context_key, pages_to_recompute
 from lazyrag.serve.request import Placement, Request, Sequence
 from lazyrag.store import ChunkInfo
 
@@ -52,8 +52,10 @@ class ServingMode:
     shares_chunks: ClassVar[bool] = False   # requests read the cached chunk pages in place
 
     def __init__(self, preamble_ids: list[int], page_size: int, rotate_copy: RotateCopy,
-                 recompute: Recompute = Recompute()):
+                 recompute: Recompute = Recompute(), namespace: str = ""):
+        """namespace: names the store (its fingerprint) in the keys of recomputed pages."""
         self.recompute = recompute
+        self.namespace = f"{namespace}|{page_size}|{','.join(map(str, preamble_ids))}"
         self.preamble_ids = list(preamble_ids)
         self.P = len(self.preamble_ids)
         self.page_size = page_size
@@ -122,25 +124,68 @@ class ServingMode:
                 cache.release(entry)
             placement.pins = []
         if self.recompute.fraction and not self.recompute.needs_scores:
-            self.assign_recompute(seq.request, placement)
+            self.assign_recompute(seq.request, placement, cache)
         return placement
 
-    def assign_recompute(self, request: Request, p: Placement, row_mass: torch.Tensor | None = None) -> None:
+    @property
+    def reuses_recompute(self) -> bool:
+        """Whether recomputed pages are cached for later requests: only where chunks are shared
+        (block's recompute writes into the request's own rotated copy)."""
+        return self.shares_chunks and self.recompute.reuse
+
+    def assign_recompute(self, request: Request, p: Placement, cache: ChunkCache,
+                         row_mass: torch.Tensor | None = None) -> None:
         """Choose the chunk pages the placed request recomputes (row_mass: the attention its
         question pays each of its rows, for the `attention` policy) and point each chosen row
-        at a page of its own where the mode shares the chunk."""
-        ps = self.page_size
+        at a page of its own where the mode shares the chunk. With reuse, the leading chunks
+        whose recomputed pages are cached take those as they are; the request's budget, less
+        the pages it took, goes to the chunks after them, whose pages are then cached too."""
         first = np.cumsum([p.n_preamble] + p.chunk_rows)
         scores = None if row_mass is None else [row_mass[a: a + n] for a, n in zip(first, p.chunk_rows)]
-        for c, q in choose(self.recompute, p.chunk_rows, scores):
-            row = int(first[c] + q)
-            if self.shares_chunks:
-                # the shared page stays as it is for every other request: this one reads a private
-                # page in its place, with the same start and delta (keys at the same stored positions)
-                p.rows[row, PAGE] = p.spare.pop()
-                p.shared[row] = 0
-            chunk = request.chunks[c]
-            p.recompute.append((row, list(chunk.token_ids[q * ps: q * ps + int(p.rows[row, LENGTH])])))
+        if not self.reuses_recompute:
+            for c, q in choose(self.recompute, p.chunk_rows, scores):
+                self._recompute_row(request, p, c, q, int(first[c] + q))
+            cache.counters.recomputed_tokens += sum(len(tokens) for _, tokens in p.recompute)
+            return
+        budget = pages_to_recompute(self.recompute.fraction, p.chunk_rows)
+        if len(request.chunks) < 2 or not budget:
+            return
+        state, c = chain_root(self.namespace, request.chunks[0].chunk_id), 1
+        while c < len(request.chunks) and (
+                entry := cache.find_recomputed(key := context_key(state, request.chunks[c].chunk_id))):
+            p.recomputed.append(entry)
+            for q, page in zip(entry.selection, entry.pages):
+                p.rows[first[c] + q, PAGE] = page
+                p.shared[first[c] + q] = 0
+            budget -= len(entry.selection)
+            state, c = chained(key, entry.selection), c + 1
+        chosen = choose(self.recompute, p.chunk_rows, scores, start=c, count=max(0, budget))
+        for c in range(c, len(request.chunks)):
+            key = context_key(state, request.chunks[c].chunk_id)
+            selection = tuple(q for cc, q in chosen if cc == c)
+            tokens = len(p.recompute)
+            for q in selection:
+                self._recompute_row(request, p, c, q, int(first[c] + q))
+            pages = [int(p.rows[row, PAGE]) for row, _ in p.recompute[tokens:]]
+            p.private_pages = [pg for pg in p.private_pages if pg not in pages]  # the cache's now
+            entry = cache.keep_recomputed(key, selection, pages, sum(len(t) for _, t in p.recompute[tokens:]))
+            p.recomputed.append(entry)
+            p.created.append(entry)
+            state = chained(key, selection)
+        unused, p.spare = p.spare, []  # back to the pool now rather than when the request ends
+        p.private_pages = [pg for pg in p.private_pages if pg not in unused]
+        cache.free(unused)
+
+    def _recompute_row(self, request: Request, p: Placement, c: int, q: int, row: int) -> None:
+        """Have the request recompute page q of its chunk c, at page row `row`."""
+        if self.shares_chunks:
+            # the shared page stays as it is for every other request: this one reads a private
+            # page in its place, with the same start and delta (keys at the same stored positions)
+            p.rows[row, PAGE] = p.spare.pop()
+            p.shared[row] = 0
+        ps = self.page_size
+        chunk = request.chunks[c]
+        p.recompute.append((row, list(chunk.token_ids[q * ps: q * ps + int(p.rows[row, LENGTH])])))
 
     def own_start(self, request: Request) -> int:
         """Logical position of the request's first own token: after the preamble and its chunks."""

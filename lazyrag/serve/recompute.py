@@ -11,10 +11,18 @@ The candidates are every page of every chunk after the first. Policies rank them
              that lack an attention sink and context most (EPIC, MEPIC).
   attention  by the attention the question's tokens pay each page at one layer, measured in a
              first pass over that many layers (InfoFlow-style): recompute where the question looks.
+
+Reuse. A recomputed page's KV depends on everything before it in the prompt: the preamble, the
+chunks before it and which of their pages were recomputed. So the pages recomputed for a chunk
+are kept in the chunk cache under a key that chains all of that (`chain_root`, `context_key`,
+`chained`), and a later request whose prompt starts with the same chunks finds them: it takes
+the earlier request's choice for those chunks and its pages as they are (bit for bit what it
+would recompute), and spends what is left of its budget on the chunks after them.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass
 from enum import Enum
@@ -38,6 +46,7 @@ class Recompute:
     fraction: float = 0.0
     policy: Policy = Policy.HEAD
     layer: int | None = None  # the layer whose attention ranks pages (policy `attention`); None: DEFAULT_LAYER
+    reuse: bool = True        # keep recomputed pages in the cache for later requests with the same leading chunks
 
     def __post_init__(self):
         object.__setattr__(self, "policy", Policy(self.policy))
@@ -72,13 +81,36 @@ def head_order(chunk_pages: list[int]) -> list[tuple[int, int]]:
     return [(c, p) for p in range(longest) for c in range(1, len(chunk_pages)) if p < chunk_pages[c]]
 
 
-def choose(recompute: Recompute, chunk_pages: list[int],
-           page_scores: list[torch.Tensor] | None = None) -> list[tuple[int, int]]:
+def choose(recompute: Recompute, chunk_pages: list[int], page_scores: list[torch.Tensor] | None = None,
+           start: int = 1, count: int | None = None) -> list[tuple[int, int]]:
     """The (chunk, page) pairs to recompute, in prompt order (a page attends to those before it).
-    page_scores[c][p]: the attention mass of page p of chunk c (policy `attention`)."""
-    candidates = head_order(chunk_pages)
+    page_scores[c][p]: the attention mass of page p of chunk c (policy `attention`). Candidates
+    are the pages of chunks `start`.. (those before it took a cached choice); count: how many
+    (default: the fraction's share of the request's pages)."""
+    candidates = [cp for cp in head_order(chunk_pages) if cp[0] >= start]
     if recompute.policy is Policy.ATTENTION:
         if page_scores is None:
             raise ValueError("the attention policy needs the question's attention per page")
         candidates.sort(key=lambda cp: -float(page_scores[cp[0]][cp[1]]))  # stable: ties keep head order
-    return sorted(candidates[: pages_to_recompute(recompute.fraction, chunk_pages)])
+    n = pages_to_recompute(recompute.fraction, chunk_pages) if count is None else count
+    return sorted(candidates[:n])
+
+
+def _digest(text: str) -> str:
+    return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+
+
+def chain_root(namespace: str, first_chunk: str) -> str:
+    """The state after a prompt's first chunk (never recomputed: it follows only the preamble);
+    namespace names the store, its preamble and page size."""
+    return _digest(f"{namespace}|{first_chunk}")
+
+
+def context_key(state: str, chunk_id: str) -> str:
+    """The cache key of the pages recomputed for `chunk_id` after the prompt state `state`."""
+    return "recomputed:" + _digest(f"{state}|{chunk_id}")
+
+
+def chained(context: str, selection: tuple[int, ...]) -> str:
+    """The state after a chunk whose pages `selection` were recomputed (under key `context`)."""
+    return _digest(f"{context}|{','.join(map(str, selection))}")

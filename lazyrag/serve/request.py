@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from lazyrag.serve.cache import ChunkCache, Resident
+from lazyrag.serve.cache import ChunkCache, Recomputed, Resident
 from lazyrag.serve.paged import Feed
 from lazyrag.store import ChunkInfo
 
@@ -41,14 +41,24 @@ class Placement:
     n_preamble: int = 0                               # rows of the shared preamble (context rows before the chunks)
     chunk_rows: list[int] = field(default_factory=list)  # rows of each chunk, in prompt order, after the preamble's
     spare: list[int] = field(default_factory=list)       # private pages not yet given a recomputed chunk page
+    recomputed: list[Recomputed] = field(default_factory=list)  # cached recomputed pages it reads or computes
+    created: list[Recomputed] = field(default_factory=list)     # those of them its prefill computes
     shared: np.ndarray | None = None                  # per row: the label of the shared page sequence it reads, 0 if
                                                       # only this request reads it (Feed.shared); None in other modes
 
     def release(self, cache: ChunkCache) -> None:
-        for entry in self.pins:
+        for entry in self.pins + self.recomputed:
             cache.release(entry)
         cache.free(self.own_pages + self.private_pages)
-        self.pins, self.own_pages, self.private_pages = [], [], []
+        self.pins, self.own_pages, self.private_pages, self.recomputed, self.created = [], [], [], [], []
+
+    def forget_created(self, cache: ChunkCache) -> None:
+        """Its prefill did not run: the recomputed pages it was to compute hold nothing, so no
+        later request may find them."""
+        for entry in self.created:
+            self.recomputed.remove(entry)
+            cache.drop_recomputed(entry)
+        self.created = []
 
 
 @dataclass

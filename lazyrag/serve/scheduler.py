@@ -25,7 +25,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
-from lazyrag.serve.cache import ChunkCache, Resident
+from lazyrag.serve.cache import ChunkCache, Recomputed, Resident
 from lazyrag.serve.modes import ServingMode
 from lazyrag.serve.paged import OutOfPages
 from lazyrag.serve.request import Sequence
@@ -161,8 +161,9 @@ class _Held:
 
     def __init__(self, cache: ChunkCache):
         self.cache = cache
-        self.pins: list[Resident] = []
+        self.pins: list[Resident | Recomputed] = []
         self.pages: list[int] = []
+        self.created: list[Recomputed] = []  # recomputed pages this placement will compute
 
     def is_resident(self, chunk_id: str) -> bool:
         return self.cache.is_resident(chunk_id)
@@ -181,6 +182,23 @@ class _Held:
         self.pages += pages
         return pages
 
+    @property
+    def counters(self):
+        return self.cache.counters
+
+    def find_recomputed(self, key: str) -> Recomputed | None:
+        entry = self.cache.find_recomputed(key)
+        if entry is not None:
+            self.pins.append(entry)
+        return entry
+
+    def keep_recomputed(self, key: str, selection: tuple[int, ...], pages: list[int], tokens: int) -> Recomputed:
+        entry = self.cache.keep_recomputed(key, selection, pages, tokens)
+        gone = set(pages)  # the cache owns them now
+        self.pages = [p for p in self.pages if p not in gone]
+        self.pins.append(entry)
+        return entry
+
     def free(self, pages: list[int]) -> None:
         self.cache.free(pages)
         gone = set(pages)
@@ -189,5 +207,7 @@ class _Held:
     def give_back(self) -> None:
         for entry in self.pins:
             self.cache.release(entry)
+        for entry in self.created:  # never computed: no later request may read them
+            self.cache.drop_recomputed(entry)
         self.cache.free(self.pages)
-        self.pins, self.pages = [], []
+        self.pins, self.pages, self.created = [], [], []

@@ -11,6 +11,7 @@ from lazyrag.commands.index import build_index
 from lazyrag.config import IndexConfig
 from lazyrag.models.prompt import PromptFormat
 from lazyrag.serve import Engine, Request
+from lazyrag.serve.cache import Recomputed
 from lazyrag.serve.paged import PAGE
 from lazyrag.serve.recompute import DEFAULT_LAYER, Policy, Recompute, choose, head_order, pages_to_recompute
 from lazyrag.serve.runner import AttentionProbe, prompt_feeds
@@ -64,7 +65,7 @@ def prefill_logits(tiny, store, mode, reqs, recompute=Recompute()):
     seqs = place(engine, reqs)
     if recompute.needs_scores:
         for seq, mass in zip(seqs, engine.runner.row_attention(seqs, recompute.layer)):
-            engine.mode.assign_recompute(seq.request, seq.placement, mass)
+            engine.mode.assign_recompute(seq.request, seq.placement, engine.cache, mass)
     return engine, seqs, engine.runner.prefill(seqs)
 
 
@@ -94,12 +95,14 @@ def test_private_pages_replace_exactly_the_chosen_shared_pages(paged_store, tiny
         assert chosen == [first + i for i, (c, q) in enumerate(
             (c, q) for c, e in enumerate(s.placement.pins) for q in range(-(-e.info.length // 16)))
             if (c, q) in choose(Recompute(0.5), [-(-e.info.length // 16) for e in s.placement.pins])]
+        recomputed = [page for e in s.placement.recomputed for page in e.pages]  # kept in the cache for reuse
+        assert s.placement.private_pages == []
         for i, page in enumerate(shared):
             if first + i in chosen:
-                assert rows[first + i, PAGE] != page and rows[first + i, PAGE] in s.placement.private_pages
+                assert rows[first + i, PAGE] != page and rows[first + i, PAGE] in recomputed
             else:
                 assert rows[first + i, PAGE] == page
-        assert sorted(rows[chosen, PAGE].tolist()) == sorted(s.placement.private_pages)
+        assert sorted(rows[chosen, PAGE].tolist()) == sorted(recomputed)
         # start, delta and length of every context row are those of the plain placement
         assert (rows[:n, 1:] == p.placement.rows[: p.placement.n_context, 1:]).all()
     shared = sorted({page for s in seqs for e in s.placement.pins for page in e.pages})
@@ -123,14 +126,22 @@ def test_recomputed_pages_read_per_request_and_the_prompt_chunk_major(paged_stor
         assert prompt.shared is not None and prompt.shared.any()
 
 
-def test_private_pages_are_freed_with_the_request(paged_store, tiny):
-    engine = Engine(tiny, paged_store, "lazy", cache_bytes=8 << 20, batch_size=4, recompute=Recompute(0.3))
+@pytest.mark.parametrize("reuse", [False, True])
+def test_private_pages_are_freed_with_the_request(paged_store, tiny, reuse):
+    engine = Engine(tiny, paged_store, "lazy", cache_bytes=8 << 20, batch_size=4,
+                    recompute=Recompute(0.3, reuse=reuse))
     free = engine.pool.num_free
     done = []
     engine.run(requests(paged_store, tiny), done.append)
     assert len(done) == 2
     resident = sum(-(-c.padded_length // 16) for c in {c.chunk_id: c for r in done for c in r.chunks}.values())
-    assert engine.pool.num_free == free - resident  # only the cached chunks stay
+    recomputed = engine.cache.counters.recomputed_tokens
+    assert recomputed > 0
+    entries = [e for e in engine.cache._resident.values() if isinstance(e, Recomputed)]
+    assert all(e.pins == 0 for e in entries) and sum(e.tokens for e in entries) == (recomputed if reuse else 0)
+    kept = sum(len(e.pages) for e in entries)  # recomputed pages stay cached for reuse, unpinned
+    assert engine.pool.num_free == free - resident - kept
+    assert engine.cache.available_pages() == engine.pool.num_free + resident + kept
 
 
 def test_attention_policy_recomputes_the_pages_the_question_attends_to_most(paged_store, tiny):
@@ -144,7 +155,7 @@ def test_attention_policy_recomputes_the_pages_the_question_attends_to_most(page
         heads = tiny.cfg.num_heads * len(p.prompt_ids)
         assert mass.sum().item() == pytest.approx(heads, rel=1e-5)
         assert p.recompute == [] and len(p.spare) == engine.mode.recomputed_pages(seq.request)
-        engine.mode.assign_recompute(seq.request, seq.placement, mass)
+        engine.mode.assign_recompute(seq.request, seq.placement, engine.cache, mass)
         later = list(range(p.n_preamble + p.chunk_rows[0], p.n_context))  # rows of the chunks after the first
         top = sorted(later, key=lambda r: -mass[r].item())[: len(p.recompute)]
         assert sorted(row for row, _ in p.recompute) == sorted(top)
@@ -175,3 +186,105 @@ def test_page_ranking_is_the_same_measured_in_groups_or_feed_by_feed(paged_store
     for a, b, s in zip(together, alone, seqs):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
         assert a.sum().item() == pytest.approx(tiny.cfg.num_heads * len(s.placement.prompt_ids), rel=1e-5)
+
+
+def recomputed_entries(engine) -> dict[str, Recomputed]:
+    return {e.key: e for e in engine.cache._resident.values() if isinstance(e, Recomputed)}
+
+
+def run_alone(engine, reqs):
+    """Each request prefilled in a step of its own, in order; the logits of each."""
+    out = []
+    for r in reqs:
+        (seq,) = place(engine, [r])
+        out.append(engine._prefill([seq]))
+        seq.placement.release(engine.cache)
+    return out
+
+
+def same_context(store, tiny, docs=("tokyo", "nile", "bach"), other=("tokyo", "nile", "iron")):
+    fmt = PromptFormat(tiny.tokenizer)
+    return [request(store, fmt, "a", list(docs), "Who moved to Tokyo?"),
+            request(store, fmt, "b", list(docs), "How long is the Nile?"),
+            request(store, fmt, "c", list(other), "What is iron's symbol?")]
+
+
+@pytest.mark.parametrize("policy", ["head", "attention"])
+def test_a_reused_page_equals_a_freshly_recomputed_one_bit_for_bit(paged_store, tiny, policy):
+    recompute = Recompute(0.4, policy, layer=1)
+    a, b, _ = same_context(paged_store, tiny)
+    first = Engine(tiny, paged_store, "lazy", cache_bytes=8 << 20, batch_size=4, recompute=recompute)
+    _, reused = run_alone(first, [a, b])
+    c = first.cache.counters
+    assert c.recomputed_tokens > 0 and c.reused_tokens == c.recomputed_tokens  # b computed nothing itself
+    # b alone in another engine computes the pages a chose (for `attention`, b's own ranking may differ:
+    # hand it a's choice by making a's question its own)
+    fresh_engine = Engine(tiny, paged_store, "lazy", cache_bytes=8 << 20, batch_size=4, recompute=recompute)
+    a_as_b = Request(b.id, b.chunks, a.question_ids, b.max_new_tokens) if policy == "attention" else b
+    run_alone(fresh_engine, [a_as_b])
+    kept, fresh = recomputed_entries(first), recomputed_entries(fresh_engine)
+    assert kept.keys() == fresh.keys() and any(e.pages for e in fresh.values())
+    for key, entry in fresh.items():
+        assert kept[key].selection == entry.selection
+        assert torch.equal(first.pool.kv[:, :, kept[key].pages], fresh_engine.pool.kv[:, :, entry.pages])
+    if policy == "head":  # same choice, same pages: b's logits are the same bits as when it recomputes
+        (alone,) = run_alone(Engine(tiny, paged_store, "lazy", cache_bytes=8 << 20, batch_size=4,
+                                    recompute=recompute), [b])
+        assert torch.equal(reused, alone)
+
+
+def test_a_shared_leading_run_is_reused_and_the_rest_recomputed_with_the_budget_left(paged_store, tiny):
+    recompute = Recompute(0.4, "head")
+    a, _, c = same_context(paged_store, tiny)  # c shares a's first two documents, then another
+    engine = Engine(tiny, paged_store, "lazy", cache_bytes=8 << 20, batch_size=4, recompute=recompute)
+    run_alone(engine, [a])
+    after_a = recomputed_entries(engine)
+    (seq,) = place(engine, [c])
+    p = seq.placement
+    budget = engine.mode.recomputed_pages(c)
+    shared = sum(ch.doc_id in ("tokyo", "nile") for ch in c.chunks)
+    taken = [e for e in p.recomputed if e.key in after_a]
+    assert len(taken) == shared - 1  # every shared chunk's entry but the first chunk's (never recomputed)
+    assert p.recomputed[: len(taken)] == taken
+    computed = len(p.recompute)
+    assert computed == max(0, budget - sum(len(e.selection) for e in taken)) > 0
+    tail = p.n_preamble + sum(p.chunk_rows[:shared])
+    assert all(row >= tail for row, _ in p.recompute)  # only the chunks after the shared ones
+    engine._prefill([seq])
+    assert len(recomputed_entries(engine)) == len(after_a) + len(c.chunks) - shared
+
+
+def test_requests_of_one_step_share_what_the_first_recomputes(paged_store, tiny):
+    recompute = Recompute(0.4, "head")
+    a, b, _ = same_context(paged_store, tiny)
+    together = Engine(tiny, paged_store, "lazy", cache_bytes=8 << 20, batch_size=4, recompute=recompute)
+    seqs = place(together, [a, b])
+    assert seqs[0].placement.recompute and not seqs[1].placement.recompute
+    logits = together._prefill(seqs)
+    apart = Engine(tiny, paged_store, "lazy", cache_bytes=8 << 20, batch_size=4,
+                   recompute=Recompute(0.4, "head", reuse=False))
+    want = apart.runner.prefill(place(apart, [a, b]))
+    torch.testing.assert_close(logits, want, atol=1e-5, rtol=1e-5)
+    assert together.cache.counters.reused_tokens == together.cache.counters.recomputed_tokens > 0
+
+
+def test_pages_a_failed_step_was_to_recompute_are_never_reused(paged_store, tiny, monkeypatch):
+    recompute = Recompute(0.4, "head")
+    a, b, _ = same_context(paged_store, tiny)
+    engine = Engine(tiny, paged_store, "lazy", cache_bytes=8 << 20, batch_size=4, recompute=recompute)
+    (seq,) = place(engine, [a])
+    assert seq.placement.created
+    free = engine.cache.available_pages()
+
+    def boom(*args, **kw):
+        raise RuntimeError("step failed")
+
+    monkeypatch.setattr(engine.runner, "prefill", boom)
+    with pytest.raises(RuntimeError):
+        engine._prefill([seq])
+    seq.placement.release(engine.cache)
+    assert recomputed_entries(engine) == {}
+    assert engine.cache.available_pages() >= free
+    monkeypatch.undo()
+    (again,) = place(engine, [b])
+    assert again.placement.recompute  # computed afresh, not read from pages that hold nothing
