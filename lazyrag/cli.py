@@ -16,7 +16,7 @@ from rich.markup import escape
 from typer.core import TyperGroup
 
 from lazyrag.config import (DEFAULT_MODEL, DEFAULT_STORE, DEVICES, KV_DTYPES, PAGE_SIZES, ROUTINGS,
-                            AnswerConfig, IndexConfig, Mode)
+                            AnswerConfig, ChunkOrder, IndexConfig, Mode)
 
 # one line per message, even when piped (no wrap at 80 columns); tables still fit the width
 out = Console(soft_wrap=True)
@@ -245,6 +245,15 @@ def answer(
                                                   "the last layer of a shallower model",
                                                   help="The layer whose attention ranks pages (--recompute-policy "
                                                        "attention)."),
+    recompute_reuse: bool = typer.Option(AnswerConfig.recompute_reuse, "--recompute-reuse/--no-recompute-reuse",
+                                         help="lazy: keep recomputed pages in the cache; a later request whose "
+                                              "prompt starts with the same chunks reuses them (the same bits) "
+                                              "instead of recomputing."),
+    chunk_order: ChunkOrder = typer.Option(AnswerConfig.chunk_order,
+                                    help="lazy: the order of each prompt's documents: given, or popular (most "
+                                         "used in the run first, ties as given), so leading chunks repeat and "
+                                         "recomputed pages are reused. --audit compares with full on the "
+                                         "given order."),
     ape_temperature: float = typer.Option(AnswerConfig.ape_temperature, metavar="T",
                                           help="lazy and block only: APE's correction of the attention a question "
                                                "pays to separately encoded chunks, its logits to chunk keys divided "
@@ -277,6 +286,7 @@ def answer(
                        seed=seed, trust_remote_code=trust_remote_code, cuda_graphs=cuda_graphs,
                        shared_attention=shared_attention, audit=audit,
                        recompute=recompute, recompute_policy=recompute_policy, recompute_layer=recompute_layer,
+                       recompute_reuse=recompute_reuse, chunk_order=chunk_order,
                        ape_temperature=ape_temperature, ape_scale=ape_scale, data_parallel=data_parallel,
                        ray_address=ray_address, routing=routing)
     if as_json or quiet:

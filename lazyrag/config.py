@@ -33,6 +33,13 @@ class Mode(StrEnum):
     FULL = "full"    # recompute the whole prompt: the quality reference
 
 
+class ChunkOrder(StrEnum):
+    """The order of a prompt's documents (lazyrag/serve/ordering.py)."""
+
+    GIVEN = "given"      # as the query gave them
+    POPULAR = "popular"  # most used in the run first, ties as given: leading chunks repeat, recompute is reused
+
+
 @dataclass
 class IndexConfig:
     corpus: Path
@@ -79,6 +86,8 @@ class AnswerConfig:
     recompute: float = 0.1
     recompute_policy: str = "attention"  # head (first pages of each chunk) or attention (the question's)
     recompute_layer: int | None = None  # the layer ranking pages (attention policy); None: Recompute's default
+    recompute_reuse: bool = True  # lazy: keep recomputed pages cached for later requests with the same leading chunks
+    chunk_order: ChunkOrder = ChunkOrder.POPULAR
     # APE's attention temperature and scale on the question's attention to the chunks (lazy, block); 1 = off
     ape_temperature: float = 1.0
     ape_scale: float = 1.0
@@ -89,3 +98,10 @@ class AnswerConfig:
 
     def __post_init__(self):
         self.mode = Mode(self.mode)  # scripts may pass the plain name
+        self.chunk_order = ChunkOrder(self.chunk_order)
+
+    @property
+    def prompt_order(self) -> ChunkOrder:
+        """The order prompts take: --chunk-order in lazy mode; the other modes reuse nothing
+        across requests, so they keep the order given."""
+        return self.chunk_order if self.mode is Mode.LAZY else ChunkOrder.GIVEN

@@ -21,7 +21,7 @@ from typing import Callable, Iterator
 from lazyrag.commands.answer_engine import QueryEngine, RequestRejected
 from lazyrag.commands.answers_file import AnswersFile, run_record_path
 from lazyrag.commands.audit import audit_run
-from lazyrag.commands.queries import ChunkResolver, Query, read_queries
+from lazyrag.commands.queries import ChunkResolver, Query, in_prompt_order, read_queries
 from lazyrag.config import AnswerConfig
 from lazyrag.eval import scoring
 from lazyrag.serve import Request, Sequence
@@ -150,10 +150,17 @@ def _answer_with_one_engine(run: AnswerRun, todo: list[Query]) -> None:
     resolver = ChunkResolver(store, cfg.top_k)
     answered: dict[str, Request] = {}  # kept only for the audit, which re-submits some of them
 
-    def requests() -> Iterator[Request]:
+    def resolved() -> Iterator[tuple[Query, list]]:
         for q in todo:
             try:
-                yield qe.request(q, resolver.chunks(q))
+                yield q, resolver.chunks(q)
+            except StoreError as exc:
+                run.fail(q, str(exc))
+
+    def requests() -> Iterator[Request]:
+        for q, chunks, given in in_prompt_order(resolved(), cfg.prompt_order):
+            try:
+                yield qe.request(q, chunks, given)
             except (StoreError, RequestRejected) as exc:
                 run.fail(q, str(exc))
 
@@ -246,7 +253,8 @@ def run_record(cfg: AnswerConfig, rows: list[dict], seconds: float, bad: int, fa
         "settings": {"batch_size": cfg.batch_size, "cache_gb": cfg.cache_gb, "host_cache_gb": cfg.host_cache_gb,
                      "max_new_tokens": cfg.max_new_tokens, "top_k": cfg.top_k, "temperature": cfg.temperature,
                      "recompute": cfg.recompute, "recompute_policy": cfg.recompute_policy,
-                     "recompute_layer": cfg.recompute_layer, "ape_temperature": cfg.ape_temperature,
+                     "recompute_layer": cfg.recompute_layer, "recompute_reuse": cfg.recompute_reuse,
+                     "chunk_order": cfg.prompt_order.value, "ape_temperature": cfg.ape_temperature,
                      "ape_scale": cfg.ape_scale, "shared_attention": cfg.shared_attention},
         "ttft_ms": scoring.summarize([r["ttft_ms"] for r in rows]),
         "latency_ms": scoring.summarize([r["latency_ms"] for r in rows]),

@@ -59,12 +59,14 @@ class QueryEngine:
                                   False)
         self.capacity = self.engine.cache.available_pages()  # what one request may use: the pool less the preamble
 
-    def request(self, q: Query, chunks: list[ChunkInfo]) -> Request:
-        """The query's request over `chunks`. RequestRejected when its prompt is over the length
+    def request(self, q: Query, chunks: list[ChunkInfo], given: list[ChunkInfo] | None = None) -> Request:
+        """The query's request over `chunks` (`given`: the same chunks in the order the query gave,
+        which the audit compares against). RequestRejected when its prompt is over the length
         limit; ResourceError when it could not run even alone in the page pool."""
         cfg, mode = self.cfg, self.engine.mode
         request = Request(q.id, chunks, self.fmt.question_ids(q.question), cfg.max_new_tokens,
-                          arrival=time.perf_counter(), meta={"answers": q.answers, "query": q})
+                          arrival=time.perf_counter(), meta={"answers": q.answers, "query": q,
+                                                             "given_chunks": given or chunks})
         tokens = mode.own_start(request) + len(mode.prompt_ids(request))
         if tokens > self.limit:
             raise RequestRejected(
@@ -117,5 +119,5 @@ def _engine(loaded: LoadedModel, store: Store, cfg: AnswerConfig, cache_bytes: f
     return Engine(loaded, store, cfg.mode, cache_bytes, cfg.batch_size,
                   Sampling(cfg.temperature, cfg.top_p, cfg.seed), cfg.host_cache_gb * 2**30,
                   cuda_graphs=cuda_graphs,
-                  recompute=Recompute(cfg.recompute, cfg.recompute_policy, cfg.recompute_layer),
+                  recompute=Recompute.of(cfg),
                   ape=(cfg.ape_temperature, cfg.ape_scale), shared_attention=cfg.shared_attention)

@@ -5,6 +5,8 @@ as long as the run's answers may be; then `full` and the run's mode are both tea
 along the first FORCED_TOKENS of full's answer, so the measures of lazyrag/eval/fidelity.py
 compare the two modes on the same prefix. The mode's answer is the one the run wrote.
 A `full` run is audited the same way: it checks the measurement itself (identical, KL 0).
+`full` always takes each query's chunks in the order the query gave, whatever order the run
+put them in (--chunk-order): the audit measures the distance to what the user asked for.
 """
 
 from __future__ import annotations
@@ -25,19 +27,20 @@ def audit_run(cfg: AnswerConfig, loaded: LoadedModel, store: Store, rows: list[d
     answered = sorted(rows, key=lambda r: r["id"])
     sample = random.Random(cfg.seed).sample(answered, min(cfg.audit, len(answered)))
     reqs = [requests[r["id"]] for r in sample]
+    as_given = [Request(r.id, r.meta.get("given_chunks", r.chunks), r.question_ids, r.max_new_tokens) for r in reqs]
 
     def engine(mode: Mode, cuda_graphs: bool, ape: tuple[float, float] = (1.0, 1.0)) -> Engine:
         return Engine(loaded, store, mode, cfg.cache_gb * 2**30, cfg.batch_size,
                       host_cache_bytes=cfg.host_cache_gb * 2**30, cuda_graphs=cuda_graphs,
-                      recompute=Recompute(cfg.recompute, cfg.recompute_policy, cfg.recompute_layer), ape=ape,
+                      recompute=Recompute.of(cfg), ape=ape,
                       shared_attention=cfg.shared_attention)
 
     full = engine(Mode.FULL, cfg.cuda_graphs)  # plain attention: APE has no chunks to act on in full
     try:
         generated: dict[str, list[int]] = {}
-        full.run(reqs, lambda seq: generated.__setitem__(seq.id, seq.generated))
+        full.run(as_given, lambda seq: generated.__setitem__(seq.id, seq.generated))
         forced = [generated[r.id][:FORCED_TOKENS] for r in reqs]
-        full_logits = full.teacher_forced_logits(reqs, forced)
+        full_logits = full.teacher_forced_logits(as_given, forced)
     finally:
         full.close()
     # teacher forcing is all prefill: no decode graphs

@@ -9,10 +9,12 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator
 
 from lazyrag.errors import InputError
 from lazyrag.lines import text_lines
+from lazyrag.config import ChunkOrder
+from lazyrag.serve.ordering import PopularFirst
 from lazyrag.store import ChunkInfo, Store, StoreError
 
 
@@ -121,3 +123,15 @@ class ChunkResolver:
 
             self._retriever = Retriever(self.store)
         return resolve_chunks(self.store, q, self._retriever, self.top_k)
+
+
+def in_prompt_order(resolved: Iterable[tuple[Query, list[ChunkInfo]]],
+                    order: str) -> Iterator[tuple[Query, list[ChunkInfo], list[ChunkInfo]]]:
+    """Each resolved query with its chunks in the order its prompt takes them (--chunk-order,
+    lazyrag/serve/ordering.py) and in the order given. `popular` counts over every query first."""
+    if ChunkOrder(order) is ChunkOrder.GIVEN:
+        yield from ((q, chunks, chunks) for q, chunks in resolved)
+        return
+    resolved = list(resolved)
+    popular = PopularFirst(chunks for _, chunks in resolved)
+    yield from ((q, popular.order(chunks), chunks) for q, chunks in resolved)

@@ -19,10 +19,13 @@ def stats_json(store_path: Path | StoreURL) -> dict:
 
 def overall(runs: list[dict]) -> dict:
     """Counters summed over runs, ratios recomputed from the sums (not averaged)."""
-    keys = ("lookups", "hits", "misses", "lookup_tokens", "hit_tokens", "bytes_read", "bytes_to_gpu", "evictions")
+    keys = ("lookups", "hits", "misses", "lookup_tokens", "hit_tokens", "bytes_read", "bytes_to_gpu", "evictions",
+            "recomputed_tokens", "reused_tokens")
     cache = {k: sum(r["cache"].get(k, 0) for r in runs) for k in keys}
     cache["hit_ratio"] = round(cache["hits"] / cache["lookups"], 4) if cache["lookups"] else 0.0
     cache["token_hit_ratio"] = round(cache["hit_tokens"] / cache["lookup_tokens"], 4) if cache["lookup_tokens"] else 0.0
+    recomputed = cache["recomputed_tokens"] + cache["reused_tokens"]
+    cache["reuse_ratio"] = round(cache["reused_tokens"] / recomputed, 4) if recomputed else 0.0
     return {"runs": len(runs), "queries": sum(r["queries"] for r in runs), "cache": cache,
             "new_tokens": sum(r["new_tokens"] for r in runs)}
 
@@ -73,6 +76,8 @@ def runs_table(runs: list[dict], console: Console) -> None:
                   str(c["evictions"]), _gb(c["bytes_read"]), _gb(c["bytes_to_gpu"]),
                   f"{c['peak_pages']}/{c['pool_pages']}")
     console.print(t)
+    if any(r["cache"].get("recomputed_tokens") or r["cache"].get("reused_tokens") for r in runs):
+        recompute_table(runs, console)
     for i, r in enumerate(runs, 1):
         for e in r.get("engines", []):  # runs of `answer --data-parallel`: a line per engine
             restarts = f", restarted {e['restarts']}x" if e["restarts"] else ""
@@ -81,6 +86,20 @@ def runs_table(runs: list[dict], console: Console) -> None:
                           f"{_gb(e['cache']['bytes_read'])} read{restarts}", highlight=False)
     if any("audit" in r for r in runs):
         audit_table(runs, console)
+
+
+def recompute_table(runs: list[dict], console: Console) -> None:
+    """Selective recompute per run: the chunk tokens recomputed, and those reused from the cache."""
+    t = Table(title="selective recompute", title_justify="left")
+    for col in ("#", "F", "policy", "order", "recomputed tokens", "reused tokens", "reuse"):
+        t.add_column(col, justify="right")
+    for i, r in enumerate(runs, 1):
+        c, s = r["cache"], r.get("settings", {})
+        done, reused = c.get("recomputed_tokens", 0), c.get("reused_tokens", 0)
+        t.add_row(str(i), f"{s.get('recompute', 0):g}", str(s.get("recompute_policy", "-")),
+                  str(s.get("chunk_order", "given")), f"{done:,}", f"{reused:,}",
+                  f"{reused / (done + reused):.1%}" if done + reused else "-")
+    console.print(t)
 
 
 def audit_table(runs: list[dict], console: Console) -> None:

@@ -20,7 +20,7 @@ import ray
 from ray.exceptions import RayActorError, RayTaskError
 
 from lazyrag.commands.answer import AnswerRun
-from lazyrag.commands.queries import ChunkResolver, Query
+from lazyrag.commands.queries import ChunkResolver, Query, in_prompt_order
 from lazyrag.config import AnswerConfig
 from lazyrag.failures import one_line
 from lazyrag.parallel.cluster import Placement, connect, place
@@ -77,13 +77,13 @@ def answer_parallel(run: AnswerRun, todo: list[Query]) -> None:
 def _resolve(run: AnswerRun, todo: list[Query]) -> dict[str, tuple[Query, list[str]]]:
     """Each query with its chunk ids, in file order; one that cannot be resolved goes to the errors file."""
     resolver = ChunkResolver(run.store, run.cfg.top_k)
-    work = {}
+    resolved = []
     for q in todo:
         try:
-            work[q.id] = (q, [c.chunk_id for c in resolver.chunks(q)])
+            resolved.append((q, resolver.chunks(q)))
         except StoreError as exc:
             run.fail(q, str(exc))
-    return work
+    return {q.id: (q, [c.chunk_id for c in chunks]) for q, chunks, _ in in_prompt_order(resolved, run.cfg.prompt_order)}
 
 
 def _engine_config(cfg: AnswerConfig, placement: Placement) -> AnswerConfig:

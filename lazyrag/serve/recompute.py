@@ -54,6 +54,11 @@ class Recompute:
         if self.layer is not None and self.layer < 0:
             raise ValueError(f"the recompute layer must be >= 0, got {self.layer}")
 
+    @classmethod
+    def of(cls, cfg) -> Recompute:
+        """The recompute of answer settings (lazyrag.config.AnswerConfig)."""
+        return cls(cfg.recompute, cfg.recompute_policy, cfg.recompute_layer, cfg.recompute_reuse)
+
     def ranking_layer(self, num_layers: int) -> int:
         """The layer that ranks pages in a model of num_layers: the one asked for (an error past
         the last), else DEFAULT_LAYER or the last layer of a shallower model."""
