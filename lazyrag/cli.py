@@ -248,12 +248,13 @@ def answer(
     recompute_reuse: bool = typer.Option(AnswerConfig.recompute_reuse, "--recompute-reuse/--no-recompute-reuse",
                                          help="lazy: keep recomputed pages in the cache; a later request whose "
                                               "prompt starts with the same chunks reuses them (the same bits) "
-                                              "instead of recomputing."),
+                                              "instead of recomputing. --no-recompute-reuse also keeps the given "
+                                              "order."),
     chunk_order: ChunkOrder = typer.Option(AnswerConfig.chunk_order,
                                     help="lazy: the order of each prompt's documents: given, or popular (most "
                                          "used in the run first, ties as given), so leading chunks repeat and "
-                                         "recomputed pages are reused. --audit compares with full on the "
-                                         "given order."),
+                                         "recomputed pages are reused (with --recompute-reuse). --audit "
+                                         "compares with full on the given order."),
     ape_temperature: float = typer.Option(AnswerConfig.ape_temperature, metavar="T",
                                           help="lazy and block only: APE's correction of the attention a question "
                                                "pays to separately encoded chunks, its logits to chunk keys divided "

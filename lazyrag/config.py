@@ -102,6 +102,7 @@ class AnswerConfig:
 
     @property
     def prompt_order(self) -> ChunkOrder:
-        """The order prompts take: --chunk-order in lazy mode; the other modes reuse nothing
-        across requests, so they keep the order given."""
-        return self.chunk_order if self.mode is Mode.LAZY else ChunkOrder.GIVEN
+        """The order prompts take: --chunk-order where recomputed pages are reused (lazy, with
+        recompute and reuse on); elsewhere order buys nothing, so prompts keep the order given."""
+        reuses = self.mode is Mode.LAZY and self.recompute > 0 and self.recompute_reuse
+        return self.chunk_order if reuses else ChunkOrder.GIVEN

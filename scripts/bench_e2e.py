@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import random
@@ -90,22 +91,28 @@ def build_store(model: str, root: Path, page_size: int, kv_dtype: str = "auto") 
 
 
 def run(engine_args: dict, loaded, store, mode: str, prompts, questions, cache_gb: float, batch_size: int,
-        arrivals: list[float] | None = None, warm: bool = False, timed=contextlib.nullcontext) -> dict:
+        arrivals: list[float] | None = None, warm: bool = False, timed=contextlib.nullcontext,
+        order: str = "given") -> dict:
     """One timed run on a fresh engine. warm: first answer the same requests once, untimed, so
     the timed pass finds the cache as a long-running server would (no first reads from disk).
-    timed: a context manager around the timed pass alone (the profiler)."""
+    timed: a context manager around the timed pass alone (the profiler). order: the prompts'
+    document order, as `answer --chunk-order` takes it."""
     from lazyrag.eval import scoring as metrics
     from lazyrag.serve import Engine, Request
+    from lazyrag.serve.ordering import PopularFirst
 
     engine = Engine(loaded, store, mode, cache_gb * 2**30, batch_size, stop_at_eos=False, **engine_args)
     chunks = {d: store.doc_chunks(d) for d in {d for p in prompts for d in p}}
     fmt_q = [loaded.tokenizer(q, add_special_tokens=False)["input_ids"] for q in questions]
     done: list = []
     offsets = arrivals or [0.0] * len(prompts)
+    given = [[c for d in p for c in chunks[d]] for p in prompts]
+    if order == "popular":
+        popular = PopularFirst(given)
+        given = [popular.order(g) for g in given]
 
     def requests(t0: float) -> list:
-        return [Request(f"r{i}", [c for d in p for c in chunks[d]], fmt_q[i], NEW_TOKENS, arrival=t0 + offsets[i])
-                for i, p in enumerate(prompts)]
+        return [Request(f"r{i}", g, fmt_q[i], NEW_TOKENS, arrival=t0 + offsets[i]) for i, g in enumerate(given)]
 
     if warm:
         engine.run(requests(0.0), lambda r: None, lookahead=64)
@@ -128,7 +135,9 @@ def run(engine_args: dict, loaded, store, mode: str, prompts, questions, cache_g
         "kv_peak_gb": round(c.peak_pages * c.page_bytes / 2**30, 2), "bytes_read_gb": round(c.bytes_read / 2**30, 2),
         "evictions": c.evictions, "read_wait_s": round(c.read_wait_s, 3), "warm": warm,
         "host_cache_gb": engine_args.get("host_cache_bytes", 0) / 2**30, "host_hits": c.host_hits,
-        "read_ahead": c.read_ahead,
+        "read_ahead": c.read_ahead, "order": order,
+        "recomputed_tokens_per_req": round(c.recomputed_tokens / max(1, len(done)), 1),
+        "reused_tokens_per_req": round(c.reused_tokens / max(1, len(done)), 1), "reuse_ratio": round(c.reuse_ratio, 4),
     }
     del engine
     free_cache()
@@ -169,60 +178,113 @@ def shared_check(kw: dict, loaded, store, prompts, questions, cache_gb: float, b
     return out
 
 
-def batch_sweep(kw: dict, loaded, store, prompts, questions, cache_gb: float, args, model: str, save, out) -> list:
-    """Closed Zipf runs of lazy without recompute, lazy and block with each --recompute fraction, and
-    full, each at every --batch-sizes value: a mode's best batch size against another's best."""
+@dataclasses.dataclass(frozen=True)
+class Sweep:
+    """One configuration of the batch sweep."""
+    mode: str
+    fraction: float = 0.0
+    warm: bool = False
+    shared: bool = True       # chunk-major attention
+    reuse: bool = False       # recomputed pages reused across requests (answer's default)
+    order: str = "given"      # answer --chunk-order
+    workload: str = "zipf"    # zipf 2.1, or uniform popularity
+    requests: int = 0
+
+
+def batch_sweep(kw: dict, loaded, store, prompts, questions, cache_gb: float, args, model: str, save, out,
+                uniform=None) -> list:
+    """Closed runs of lazy without recompute, full, and at each --recompute fraction: lazy as `answer`
+    runs it by default (recomputed pages reused, popular order), lazy without reuse (the given
+    order: `--no-recompute-reuse`) and block with the same recompute; each at every --batch-sizes
+    value and every --sweep-requests count: a mode's best batch size against another's best."""
     from lazyrag.serve import Recompute
 
-    # (mode, recompute fraction, warm, chunk-major attention)
-    configs = [("lazy", 0.0, False, True)] + ([] if args.skip_full else [("full", 0.0, False, True)])
-    if args.per_request_too:  # lazy with each request reading its own pages: what chunk-major buys
-        configs.append(("lazy", 0.0, False, False))
-    configs += [(m, f, False, True) for f in args.recompute for m in ("lazy", "block") if (m, f) != ("lazy", 0.0)]
-    if args.per_request_too:
-        configs += [("lazy", f, False, False) for f in args.recompute if f]
-    if args.warm:  # the runs without recompute again, on a cache warmed by one untimed pass
-        configs += [(m, f, True, shared) for m, f, _, shared in configs if m != "full" and not f]
+    counts = args.sweep_requests or [len(prompts)]
+    configs = []
+    for n in counts:
+        configs += [Sweep("lazy", requests=n)] + ([] if args.skip_full else [Sweep("full", requests=n)])
+        if args.per_request_too:  # lazy with each request reading its own pages: what chunk-major buys
+            configs.append(Sweep("lazy", shared=False, requests=n))
+        for f in args.recompute:
+            if f:
+                configs += [Sweep("lazy", f, reuse=True, order="popular", requests=n), Sweep("lazy", f, requests=n)]
+            if not args.skip_block:
+                configs.append(Sweep("block", f, requests=n))
+            if args.per_request_too and f:
+                configs.append(Sweep("lazy", f, shared=False, requests=n))
+        if uniform is not None:  # popularity without skew: little to reuse
+            configs += [Sweep("lazy", workload="uniform", requests=n)]
+            configs += [Sweep("lazy", f, reuse=r, order=o, workload="uniform", requests=n)
+                        for f in args.recompute if f for r, o in ((True, "popular"), (False, "given"))]
+    if args.warm:  # each lazy and block run again, on a cache warmed by one untimed pass
+        configs += [dataclasses.replace(c, warm=True) for c in configs if c.mode != "full"]
     rows = []
-    for mode, fraction, warm, shared in configs:
-        n = min(len(prompts), args.full_requests) if mode == "full" else len(prompts)
+    for c in configs:
+        source = uniform if c.workload == "uniform" else prompts
+        n = min(c.requests, args.full_requests) if c.mode == "full" else c.requests
         for bs in args.batch_sizes:
-            engine_args = dict(kw, recompute=Recompute(fraction, args.recompute_policy), shared_attention=shared)
+            recompute = Recompute(c.fraction, args.recompute_policy, reuse=c.reuse)
+            engine_args = dict(kw, recompute=recompute, shared_attention=c.shared)
             try:
-                r = run(engine_args, loaded, store, mode, prompts[:n], questions[:n], cache_gb, bs, warm=warm)
+                r = run(engine_args, loaded, store, c.mode, source[:n], questions[:n], cache_gb, bs, warm=c.warm,
+                        order=c.order)
             except Exception as exc:  # block's copies may not fit a large batch: say so
-                r = {"mode": mode, "batch_size": bs, "warm": warm, "error": str(exc)[:120]}
-            if mode == "lazy" and not shared:
+                r = {"mode": c.mode, "batch_size": bs, "warm": c.warm, "error": str(exc)[:120]}
+            if c.mode == "lazy" and not c.shared:
                 r["mode"] = "lazy, per-request pages"
-            r["recompute"], r["policy"], r["page_size"] = fraction, args.recompute_policy, args.page_size
+            r.update(recompute=c.fraction, policy=args.recompute_policy, page_size=args.page_size, reuse=c.reuse,
+                     order=c.order, workload=c.workload, sweep_requests=c.requests)
+            r.update(recompute_floor(loaded, r, store))
             rows.append(r)
             out["batch_sweep"] = rows
             save(out)
-            print(f"[{model}] batch sweep {mode} recompute {fraction} batch {bs}{' warm' if warm else ''}: "
-                  f"{json.dumps(r)}", flush=True)
+            print(f"[{model}] batch sweep {c}, batch {bs}: {json.dumps(r)}", flush=True)
     return rows
+
+
+BF16_MATRIX_RATE = 790e12  # dense bf16 FLOP/s measured on the H200 (.library device notes)
+
+
+def recompute_floor(loaded, r: dict, store) -> dict:
+    """What a row's recompute costs at the bf16 matrix rate: 2 FLOPs per weight per recomputed token,
+    plus its attention (QK and PV over the context before it, half the prompt on average)."""
+    tokens = r.get("recomputed_tokens_per_req")
+    if tokens is None:
+        return {}
+    cfg = loaded.cfg
+    weights = sum(p.numel() for n, p in loaded.model.named_parameters() if "embed" not in n)
+    context = PER_PROMPT * DOC_TOKENS / 2
+    flops = tokens * (2 * weights + 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * context)
+    return {"recompute_gflop_per_req": round(flops / 1e9, 1),
+            "recompute_floor_ms_per_req": round(flops / BF16_MATRIX_RATE * 1e3, 6)}
 
 
 def sweep_table(results: list[dict]) -> str:
     """Each (mode, recompute) at its best batch size, with the ratios the claims rest on."""
-    lines = ["| model | page | cache | mode | recompute | best batch | req/s | TTFT mean ms | req/s at each batch size |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| model | workload | requests | cache | mode | recompute | reuse, order | best batch | req/s "
+             "| TTFT mean ms | recomputed / reused tokens per req | recompute floor ms/req | req/s at each batch size |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for res in results:
         best = {}
         for r in res.get("batch_sweep", []):
-            key = (r["mode"], r["recompute"], r.get("policy", "head") if r["recompute"] else "", r.get("warm", False))
+            key = (r.get("workload", "zipf"), r.get("sweep_requests", r.get("requests")), r.get("warm", False),
+                   r["mode"], r["recompute"], r.get("policy", "head") if r["recompute"] else "",
+                   r.get("reuse", False), r.get("order", "given"))
             best.setdefault(key, []).append(r)
-        for (mode, f, policy, warm), rows in best.items():
+        for (workload, n, warm, mode, f, policy, reuse, order), rows in best.items():
             ok = [r for r in rows if "req_per_s" in r]
             top = max(ok, key=lambda r: r["req_per_s"], default=None)
             each = ", ".join(f"{r['batch_size']}: {r['req_per_s']:.1f}" if "req_per_s" in r else
                              f"{r['batch_size']}: does not fit" for r in rows)
             if top:
                 recompute = f"{f:g} {policy}" if f else "0"
-                lines.append(f"| {res['model'].split(':')[-1]} | {top.get('page_size', 64)} | {'warm' if warm else 'cold'} | "
-                             f"{mode} | {recompute} | "
-                             f"{top['batch_size']} | "
-                             f"{top['req_per_s']:.1f} | {top['ttft_ms']['mean']:.0f} | {each} |")
+                how = (("reuse" if reuse else "no reuse") + f", {order}") if f and mode == "lazy" else ""
+                work = (f"{top['recomputed_tokens_per_req']:.0f} / {top['reused_tokens_per_req']:.0f}"
+                        if f and "recomputed_tokens_per_req" in top else "")
+                floor = f"{top['recompute_floor_ms_per_req']:.2f}" if f and "recompute_floor_ms_per_req" in top else ""
+                lines.append(f"| {res['model'].split(':')[-1]} | {workload} | {top['requests']} | "
+                             f"{'warm' if warm else 'cold'} | {mode} | {recompute} | {how} | {top['batch_size']} | "
+                             f"{top['req_per_s']:.1f} | {top['ttft_ms']['mean']:.0f} | {work} | {floor} | {each} |")
     return "\n".join(lines)
 
 
@@ -313,7 +375,7 @@ def bench_model(model: str, args, root: Path, save) -> dict:
     warm_bytes = sum(store.read_kv(c).nbytes for c in store.iter_chunks())
     index["warm_read_gb_s"] = round(warm_bytes / (time.perf_counter() - t) / 1e9, 2)
     rng = random.Random(1)
-    n = args.requests
+    n = max([args.requests, *args.sweep_requests])
     questions = [words(rng, QUESTION_TOKENS) for _ in range(n)]
     zipf = zipf_docs(rng, 2.1, n)
     uniform = zipf_docs(rng, None, n)
@@ -324,6 +386,10 @@ def bench_model(model: str, args, root: Path, save) -> dict:
     for mode in ("lazy",) if (args.only_lazy_at or args.host_tier) and not args.recompute else ("lazy", "block"):
         for m in (4, args.batch_size):
             run(kw, loaded, store, mode, zipf[:m], questions[:m], cache, args.batch_size)
+            if args.recompute:  # and the recompute path's kernels (its probe, its many feeds)
+                from lazyrag.serve import Recompute
+                rkw = dict(kw, recompute=Recompute(max(args.recompute), args.recompute_policy))
+                run(rkw, loaded, store, mode, zipf[:m], questions[:m], cache, args.batch_size)
     if not args.skip_full:
         run(kw, loaded, store, "full", zipf[:2], questions[:2], cache, args.batch_size)
     if args.profile:  # with the last --recompute fraction, if any: where recompute's time goes
@@ -343,7 +409,8 @@ def bench_model(model: str, args, root: Path, save) -> dict:
     if args.host_tier:
         host_tier_runs(kw, loaded, store, zipf, questions, args.host_tier, args, model, save, out)
     if args.recompute:
-        out["batch_sweep"] = batch_sweep(kw, loaded, store, zipf, questions, cache, args, model, save, out)
+        out["batch_sweep"] = batch_sweep(kw, loaded, store, zipf, questions, cache, args, model, save, out,
+                                         uniform if args.uniform_too else None)
         return out
     if args.only_lazy_at or args.host_tier:
         for gb in args.only_lazy_at:
@@ -536,6 +603,7 @@ def main() -> None:
     ap.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",") if x], default=[0.3, 0.6, 0.9],
                     help="arrival rates as fractions of lazy's closed-batch throughput")
     ap.add_argument("--skip-full", action="store_true")
+    ap.add_argument("--skip-block", action="store_true", help="the batch sweep without block's rows")
     ap.add_argument("--rounds", type=int, default=2, help="closed runs (Zipf, uniform): lazy and block alternate "
                                                             "this many times; the last round is reported")
     ap.add_argument("--sweep-docs", type=lambda s: [int(x) for x in s.split(",") if x], default=[5, 10, 20, 50, 100],
@@ -560,7 +628,11 @@ def main() -> None:
     ap.add_argument("--recompute", type=lambda s: [float(x) for x in s.split(",") if x], default=[],
                     help="only the batch sweep: lazy (no recompute), full, then lazy and block at each of these "
                          "recompute fractions (0: plain block), each at every --batch-sizes value")
-    ap.add_argument("--recompute-policy", default="head")
+    ap.add_argument("--recompute-policy", default="attention")
+    ap.add_argument("--sweep-requests", type=lambda s: [int(x) for x in s.split(",") if x], default=[],
+                    help="the batch sweep at each of these request counts (default: --requests)")
+    ap.add_argument("--uniform-too", action="store_true",
+                    help="the batch sweep's lazy rows also on requests of uniform popularity")
     ap.add_argument("--check-shared", type=int, default=0, metavar="N",
                     help="first compare chunk-major attention with per-request pages on N Zipf requests (logits "
                          "teacher-forced along the per-request answer, top-1 agreement, identical answers)")

@@ -45,13 +45,14 @@ from safetensors.torch import save_file
 from lazyrag.commands.audit import answer_text
 from lazyrag.commands.index import build_index
 from lazyrag.commands.queries import read_queries, resolve_chunks
-from lazyrag.config import DEFAULT_MODEL, IndexConfig, Mode
+from lazyrag.config import DEFAULT_MODEL, ChunkOrder, IndexConfig, Mode
 from lazyrag.eval.fidelity import FORCED_TOKENS, Fidelity, mean_logprob, token_kl, top1_matches
 from lazyrag.eval.scoring import agreement
 from lazyrag.kernels.rope import rope
 from lazyrag.models import LoadedModel, load_model
 from lazyrag.models.prompt import PromptFormat
 from lazyrag.serve import Engine, Recompute, Request
+from lazyrag.serve.ordering import PopularFirst
 from lazyrag.store import Store
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -81,17 +82,29 @@ class Config:
     fraction: float = 0.0
     policy: str = "head"
     ape: tuple[float, float] | None = None
+    reuse: bool = False         # recomputed pages cached and reused across requests (Recompute.reuse)
+    order: str = "given"        # the prompts' document order (--chunk-order); full always takes the given one
+    primed: bool = False        # with reuse: each prompt's pages first recomputed for another question (worst case)
 
     @property
     def key(self) -> str:
         ape = f"ape{self.ape[0]:g}x{self.ape[1]:g}" if self.ape else "noape"
-        return f"{self.mode}-F{self.fraction:g}-{self.policy}-{ape}"
+        extra = ("-reuse" if self.reuse else "") + ("" if self.order == "given" else f"-{self.order}")
+        extra += "-primed" if self.primed else ""
+        return f"{self.mode}-F{self.fraction:g}-{self.policy}-{ape}{extra}"
 
     def engine(self, loaded: LoadedModel, store: Store, args) -> Engine:
-        recompute = Recompute(self.fraction) if self.policy == "head" else Recompute(self.fraction, policy=self.policy)
+        recompute = Recompute(self.fraction, self.policy, reuse=self.reuse)
         extra = {"ape": self.ape} if self.ape else {}
         return Engine(loaded, store, self.mode, args.cache_gb * 2**30, args.batch_size,
                       recompute=recompute, **extra)
+
+    def prompts(self, requests: list[Request]) -> list[Request]:
+        """The requests with their chunks in this configuration's order (counted over the split)."""
+        if ChunkOrder(self.order) is ChunkOrder.GIVEN:
+            return requests
+        popular = PopularFirst(r.chunks for r in requests)
+        return [Request(r.id, popular.order(r.chunks), r.question_ids, r.max_new_tokens) for r in requests]
 
 
 FULL = Config(Mode.FULL.value)
@@ -104,6 +117,18 @@ def grid(points: list[tuple[str, float]]) -> list[Config]:
     if engine_has_ape():
         rows.append(Config(Mode.LAZY.value, ape=APE))
     return rows + [Config(Mode.LAZY.value, f, p) for p, f in points]
+
+
+def parse_configs(text: str) -> list[Config]:
+    """"attention:0.1:reuse:popular,..." -> lazy configurations: policy, F, then the optional
+    words reuse and popular (an order)."""
+    configs = []
+    for item in text.split(","):
+        policy, f, *words = item.split(":")
+        order = next((w for w in words if w not in ("reuse", "primed")), "given")
+        configs.append(Config(Mode.LAZY.value, float(f), policy, reuse="reuse" in words or "primed" in words,
+                              order=order, primed="primed" in words))
+    return configs
 
 
 def parse_grid(text: str) -> list[tuple[str, float]]:
@@ -322,7 +347,7 @@ def measure(cfg: Config, split: Split, ref: dict, loaded: LoadedModel, args) -> 
             path = folder / f"{b}-{min(b + args.batch_size, len(split.requests))}.json"
             if not path.exists():
                 engine = engine or cfg.engine(loaded, split.store, args)
-                path.write_text(json.dumps(measure_batch(engine, split, ref, loaded, b, args.batch_size)))
+                path.write_text(json.dumps(measure_batch(cfg, engine, split, ref, loaded, b, args.batch_size)))
             per_question += json.loads(path.read_text())
     finally:
         if engine is not None:
@@ -341,12 +366,17 @@ def measure(cfg: Config, split: Split, ref: dict, loaded: LoadedModel, args) -> 
     return row
 
 
-def measure_batch(engine: Engine, split: Split, ref: dict, loaded: LoadedModel, b: int, n: int) -> list[dict]:
+def measure_batch(cfg: Config, engine: Engine, split: Split, ref: dict, loaded: LoadedModel, b: int,
+                  n: int) -> list[dict]:
     """Per question of split.requests[b:b + n]: KL and top-1 per forced token, the greedy answer,
     the gold log-likelihood, and the batch's seconds shared out."""
     t = time.perf_counter()
-    reqs = split.requests[b: b + n]
+    reqs = cfg.prompts(split.requests)[b: b + n]  # the reference is full on the given order
     ids: dict[str, list[int]] = {}
+    if cfg.primed:  # the same prompts with the next question of the batch: each request then takes its choice
+        others = reqs[1:] + reqs[:1]
+        engine.run([Request(f"prime-{r.id}", r.chunks, o.question_ids, 1) for r, o in zip(reqs, others)],
+                   lambda seq: None)
     engine.run(reqs, lambda seq: ids.__setitem__(seq.id, seq.generated))
     logits = engine.teacher_forced_logits(reqs, ref["forced"][b: b + n])
     gold = engine.continuation_logprobs(reqs, split.gold[b: b + n]) if split.gold else [None] * len(reqs)
@@ -392,16 +422,20 @@ def fmt_share(x: float | None) -> str:
 
 def table(split: dict) -> list[str]:
     gold = split["gold_loglik_full"] is not None
-    head = ["mode", "F", "policy", "APE (T, S)", "KL mean", "top-1 agreement", "identical", "F1 to full"]
+    head = ["mode", "F", "policy", "reuse, order", "APE (T, S)", "KL mean", "top-1 agreement", "identical",
+            "F1 to full"]
     head += ["gold log-lik / token"] if gold else []
     head += ["gap closed: KL"] + (["gap closed: log-lik"] if gold else []) + ["seconds"]
     lines = [f"### {split['title']}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    full = ["full", "", "", "", "0", "1.000", "100.0%", "1.000"] + ([f"{split['gold_loglik_full']:.3f}"] if gold else [])
+    full = ["full", "", "", "given", "", "0", "1.000", "100.0%", "1.000"] + ([f"{split['gold_loglik_full']:.3f}"] if gold else [])
     full += ["", ""] if gold else [""]
     lines.append("| " + " | ".join(full + [f"{split['seconds_full']:.0f}"]) + " |")
     for r in split["rows"]:
         ape = f"{r['ape'][0]:g}, {r['ape'][1]:g}" if r["ape"] else "off"
-        cells = [r["mode"], f"{r['fraction']:g}", r["policy"], ape, f"{r['kl_mean']:.4f}", f"{r['top1_agreement']:.3f}",
+        reuse = ("reuse" if r.get("reuse") else "no reuse") + ", " + r.get("order", "given")
+        reuse += ", primed" if r.get("primed") else ""
+        cells = [r["mode"], f"{r['fraction']:g}", r["policy"], reuse, ape, f"{r['kl_mean']:.4f}",
+                 f"{r['top1_agreement']:.3f}",
                  f"{r['identical']:.1%}", f"{r['f1_to_full']:.3f}"]
         cells += [f"{r['gold_loglik']:.3f}"] if gold else []
         cells += [fmt_share(r["closed_kl"])] + ([fmt_share(r["closed_loglik"])] if gold else [])
@@ -478,6 +512,10 @@ def main() -> None:
     ap.add_argument("--held-out", choices=["news", "musique"], help="only this reported split (news, or MuSiQue "
                     "76-150), lazy at F=0 and at the default already chosen in docs/results/quality-recompute.json, "
                     "whose other tables are kept: more reported questions without choosing the default again")
+    ap.add_argument("--configs", help="with --held-out: measure lazy at F=0 and these configurations instead of "
+                    "the default alone: policy:F[:reuse][:popular][:primed], comma-separated (reuse: recomputed "
+                    "pages reused across the split's requests; popular: --chunk-order popular; primed: every "
+                    "prompt first recomputed for another question, whose choice it then reuses)")
     args = ap.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     points = parse_grid(args.grid)
@@ -491,7 +529,9 @@ def main() -> None:
         queries = news_queries(args) if args.held_out == "news" else musique_queries(args, selection=False)
         (split,) = splits_of(args.held_out, queries, loaded, args, halves=False)
         d = res["default"]
-        run_split(split, at_default(Config(Mode.LAZY.value, d["fraction"], d["policy"]), lean=True), loaded, args, res)
+        configs = [LAZY, *parse_configs(args.configs)] if args.configs else at_default(
+            Config(Mode.LAZY.value, d["fraction"], d["policy"]), lean=True)
+        run_split(split, configs, loaded, args, res)
         print(report(res))
         return
     res = {"header": header(args), "splits": {}}

@@ -46,12 +46,14 @@ def test_popular_order_answers_every_query_under_its_id_and_reuses_recomputed_pa
     assert "selective recompute" in table.stdout and "popular" in table.stdout
 
 
-def test_without_reuse_or_reordering_nothing_is_reused(store, tmp_path):
+def test_without_reuse_nothing_is_reused_and_prompts_keep_the_given_order(store, tmp_path):
     res = answer(queries(tmp_path), store, tmp_path / "a.jsonl", "--recompute", "0.5", "--no-recompute-reuse",
-                 "--chunk-order", "given", "--batch-size", "1", "-q")
+                 "--batch-size", "1", "-q")
     assert res.exit_code == 0, res.output
-    c = last_run(store)["cache"]
-    assert c["recomputed_tokens"] > 0 and c["reused_tokens"] == 0
+    run = last_run(store)
+    assert run["cache"]["recomputed_tokens"] > 0 and run["cache"]["reused_tokens"] == 0
+    assert run["settings"]["chunk_order"] == "given"  # ordering serves reuse alone
+    assert len({r["chunks"][0] for r in rows(tmp_path / "a.jsonl")}) == 3  # mars, piano, saturn lead
 
 
 def test_the_audit_compares_with_full_on_the_order_the_query_gave(store, tmp_path, monkeypatch):
