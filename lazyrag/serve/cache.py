@@ -134,6 +134,10 @@ class ChunkCache:
         self.counters.evictions += isinstance(entry, Resident)
 
     # -- recomputed pages -------------------------------------------------------------
+    def peek_recomputed(self, key: str) -> Recomputed | None:
+        """The recomputed pages under `key`, if any (a check, not a use: no pin, no LRU touch)."""
+        return self._resident.get(key)
+
     def find_recomputed(self, key: str) -> Recomputed | None:
         """Pin and return the recomputed pages kept under `key` (lazyrag/serve/recompute.py), if any."""
         entry = self._resident.get(key)
@@ -152,8 +156,9 @@ class ChunkCache:
         if not pages:
             self._empty[key] = None
             if len(self._empty) > self.MAX_EMPTY_RECOMPUTED:
-                oldest = next(k for k in self._empty if self._resident[k].pins == 0)
-                self.evict(oldest)
+                oldest = next((k for k in self._empty if self._resident[k].pins == 0), None)
+                if oldest is not None:
+                    self.evict(oldest)
         return entry
 
     def drop_recomputed(self, entry: Recomputed) -> None:

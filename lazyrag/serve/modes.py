@@ -138,8 +138,8 @@ class ServingMode:
         """Choose the chunk pages the placed request recomputes (row_mass: the attention its
         question pays each of its rows, for the `attention` policy) and point each chosen row
         at a page of its own where the mode shares the chunk. With reuse, the leading chunks
-        whose recomputed pages are cached take those as they are; the request's budget, less
-        the pages it took, goes to the chunks after them, whose pages are then cached too."""
+        whose recomputed pages are cached take those as they are, and the request recomputes
+        the fraction of the pages of the chunks after them, whose pages are then cached too."""
         first = np.cumsum([p.n_preamble] + p.chunk_rows)
         scores = None if row_mass is None else [row_mass[a: a + n] for a, n in zip(first, p.chunk_rows)]
         if not self.reuses_recompute:
@@ -147,8 +147,7 @@ class ServingMode:
                 self._recompute_row(request, p, c, q, int(first[c] + q))
             cache.counters.recomputed_tokens += sum(len(tokens) for _, tokens in p.recompute)
             return
-        budget = pages_to_recompute(self.recompute.fraction, p.chunk_rows)
-        if len(request.chunks) < 2 or not budget:
+        if len(request.chunks) < 2 or not pages_to_recompute(self.recompute.fraction, p.chunk_rows):
             return
         state, c = chain_root(self.namespace, request.chunks[0].chunk_id), 1
         while c < len(request.chunks) and (
@@ -157,9 +156,10 @@ class ServingMode:
             for q, page in zip(entry.selection, entry.pages):
                 p.rows[first[c] + q, PAGE] = page
                 p.shared[first[c] + q] = 0
-            budget -= len(entry.selection)
             state, c = chained(key, entry.selection), c + 1
-        chosen = choose(self.recompute, p.chunk_rows, scores, start=c, count=max(0, budget))
+        # the fraction of the pages after those it reuses (all of them when it reuses none)
+        count = pages_to_recompute(self.recompute.fraction, [0, *p.chunk_rows[c:]])
+        chosen = choose(self.recompute, p.chunk_rows, scores, start=c, count=count)
         for c in range(c, len(request.chunks)):
             key = context_key(state, request.chunks[c].chunk_id)
             selection = tuple(q for cc, q in chosen if cc == c)
@@ -175,6 +175,19 @@ class ServingMode:
         unused, p.spare = p.spare, []  # back to the pool now rather than when the request ends
         p.private_pages = [pg for pg in p.private_pages if pg not in unused]
         cache.free(unused)
+
+    def reuses_every_chunk(self, request: Request, cache: ChunkCache) -> bool:
+        """Whether the cache holds recomputed pages for every chunk of the request after the
+        first, in its order (a check, no pins): then it needs no ranking of its own."""
+        if not self.reuses_recompute or len(request.chunks) < 2:
+            return False
+        state = chain_root(self.namespace, request.chunks[0].chunk_id)
+        for chunk in request.chunks[1:]:
+            entry = cache.peek_recomputed(key := context_key(state, chunk.chunk_id))
+            if entry is None:
+                return False
+            state = chained(key, entry.selection)
+        return True
 
     def _recompute_row(self, request: Request, p: Placement, c: int, q: int, row: int) -> None:
         """Have the request recompute page q of its chunk c, at page row `row`."""

@@ -93,11 +93,13 @@ def choose(recompute: Recompute, chunk_pages: list[int], page_scores: list[torch
     are the pages of chunks `start`.. (those before it took a cached choice); count: how many
     (default: the fraction's share of the request's pages)."""
     candidates = [cp for cp in head_order(chunk_pages) if cp[0] >= start]
+    n = pages_to_recompute(recompute.fraction, chunk_pages) if count is None else count
+    if not n or not candidates:
+        return []
     if recompute.policy is Policy.ATTENTION:
         if page_scores is None:
             raise ValueError("the attention policy needs the question's attention per page")
         candidates.sort(key=lambda cp: -float(page_scores[cp[0]][cp[1]]))  # stable: ties keep head order
-    n = pages_to_recompute(recompute.fraction, chunk_pages) if count is None else count
     return sorted(candidates[:n])
 
 

@@ -233,7 +233,7 @@ def test_a_reused_page_equals_a_freshly_recomputed_one_bit_for_bit(paged_store, 
         assert torch.equal(reused, alone)
 
 
-def test_a_shared_leading_run_is_reused_and_the_rest_recomputed_with_the_budget_left(paged_store, tiny):
+def test_a_shared_leading_run_is_reused_and_the_fraction_of_the_rest_recomputed(paged_store, tiny):
     recompute = Recompute(0.4, "head")
     a, _, c = same_context(paged_store, tiny)  # c shares a's first two documents, then another
     engine = Engine(tiny, paged_store, "lazy", cache_bytes=8 << 20, batch_size=4, recompute=recompute)
@@ -247,7 +247,7 @@ def test_a_shared_leading_run_is_reused_and_the_rest_recomputed_with_the_budget_
     assert len(taken) == shared - 1  # every shared chunk's entry but the first chunk's (never recomputed)
     assert p.recomputed[: len(taken)] == taken
     computed = len(p.recompute)
-    assert computed == max(0, budget - sum(len(e.selection) for e in taken)) > 0
+    assert computed == pages_to_recompute(0.4, [0, *p.chunk_rows[shared:]]) > 0  # F of the pages it cannot reuse
     tail = p.n_preamble + sum(p.chunk_rows[:shared])
     assert all(row >= tail for row, _ in p.recompute)  # only the chunks after the shared ones
     engine._prefill([seq])
@@ -288,3 +288,18 @@ def test_pages_a_failed_step_was_to_recompute_are_never_reused(paged_store, tiny
     monkeypatch.undo()
     (again,) = place(engine, [b])
     assert again.placement.recompute  # computed afresh, not read from pages that hold nothing
+
+
+def test_a_request_whose_every_chunk_is_reused_skips_the_ranking_pass(paged_store, tiny, monkeypatch):
+    recompute = Recompute(0.4, Policy.ATTENTION, layer=1)
+    a, b, c = same_context(paged_store, tiny)
+    engine = Engine(tiny, paged_store, "lazy", cache_bytes=8 << 20, batch_size=4, recompute=recompute)
+    ranked = []
+    probe = engine.runner.row_attention
+    monkeypatch.setattr(engine.runner, "row_attention",
+                        lambda seqs, layer: ranked.append([s.id for s in seqs]) or probe(seqs, layer))
+    assert not engine.mode.reuses_every_chunk(a, engine.cache)
+    run_alone(engine, [a, b, c])
+    assert engine.mode.reuses_every_chunk(b, engine.cache) and not engine.mode.reuses_every_chunk(
+        Request("d", b.chunks[:1] + c.chunks[-1:], b.question_ids, 4), engine.cache)
+    assert ranked == [["a"], ["c"]]  # b found every chunk's pages; c recomputes its last document's
