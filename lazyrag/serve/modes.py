@@ -137,57 +137,43 @@ class ServingMode:
                          row_mass: torch.Tensor | None = None) -> None:
         """Choose the chunk pages the placed request recomputes (row_mass: the attention its
         question pays each of its rows, for the `attention` policy) and point each chosen row
-        at a page of its own where the mode shares the chunk. With reuse, the leading chunks
-        whose recomputed pages are cached take those as they are, and the request recomputes
-        the fraction of the pages of the chunks after them, whose pages are then cached too."""
+        at a page of its own where the mode shares the chunk. With reuse, each leading chunk
+        for which the cache holds pages recomputed after the same chunks, holding every page the
+        request chose there, takes them as they are; from the first chunk that has none, the
+        request recomputes its own choice, and the cache keeps it for later requests."""
         first = np.cumsum([p.n_preamble] + p.chunk_rows)
         scores = None if row_mass is None else [row_mass[a: a + n] for a, n in zip(first, p.chunk_rows)]
+        chosen = choose(self.recompute, p.chunk_rows, scores)
         if not self.reuses_recompute:
-            for c, q in choose(self.recompute, p.chunk_rows, scores):
+            for c, q in chosen:
                 self._recompute_row(request, p, c, q, int(first[c] + q))
             cache.counters.recomputed_tokens += sum(len(tokens) for _, tokens in p.recompute)
             return
-        if len(request.chunks) < 2 or not pages_to_recompute(self.recompute.fraction, p.chunk_rows):
+        if len(request.chunks) < 2 or not chosen:
             return
+        wanted = [tuple(q for cc, q in chosen if cc == c) for c in range(len(request.chunks))]
         state, c = chain_root(self.namespace, request.chunks[0].chunk_id), 1
         while c < len(request.chunks) and (
-                entry := cache.find_recomputed(key := context_key(state, request.chunks[c].chunk_id))):
+                entry := cache.find_recomputed(context := context_key(state, request.chunks[c].chunk_id), wanted[c])):
             p.recomputed.append(entry)
             for q, page in zip(entry.selection, entry.pages):
                 p.rows[first[c] + q, PAGE] = page
                 p.shared[first[c] + q] = 0
-            state, c = chained(key, entry.selection), c + 1
-        # the fraction of the pages after those it reuses (all of them when it reuses none)
-        count = pages_to_recompute(self.recompute.fraction, [0, *p.chunk_rows[c:]])
-        chosen = choose(self.recompute, p.chunk_rows, scores, start=c, count=count)
+            state, c = chained(context, entry.selection), c + 1
         for c in range(c, len(request.chunks)):
-            key = context_key(state, request.chunks[c].chunk_id)
-            selection = tuple(q for cc, q in chosen if cc == c)
+            context = context_key(state, request.chunks[c].chunk_id)
             tokens = len(p.recompute)
-            for q in selection:
+            for q in wanted[c]:
                 self._recompute_row(request, p, c, q, int(first[c] + q))
             pages = [int(p.rows[row, PAGE]) for row, _ in p.recompute[tokens:]]
             p.private_pages = [pg for pg in p.private_pages if pg not in pages]  # the cache's now
-            entry = cache.keep_recomputed(key, selection, pages, sum(len(t) for _, t in p.recompute[tokens:]))
+            entry = cache.keep_recomputed(context, wanted[c], pages, sum(len(t) for _, t in p.recompute[tokens:]))
             p.recomputed.append(entry)
             p.created.append(entry)
-            state = chained(key, selection)
+            state = chained(context, wanted[c])
         unused, p.spare = p.spare, []  # back to the pool now rather than when the request ends
         p.private_pages = [pg for pg in p.private_pages if pg not in unused]
         cache.free(unused)
-
-    def reuses_every_chunk(self, request: Request, cache: ChunkCache) -> bool:
-        """Whether the cache holds recomputed pages for every chunk of the request after the
-        first, in its order (a check, no pins): then it needs no ranking of its own."""
-        if not self.reuses_recompute or len(request.chunks) < 2:
-            return False
-        state = chain_root(self.namespace, request.chunks[0].chunk_id)
-        for chunk in request.chunks[1:]:
-            entry = cache.peek_recomputed(key := context_key(state, chunk.chunk_id))
-            if entry is None:
-                return False
-            state = chained(key, entry.selection)
-        return True
 
     def _recompute_row(self, request: Request, p: Placement, c: int, q: int, row: int) -> None:
         """Have the request recompute page q of its chunk c, at page row `row`."""

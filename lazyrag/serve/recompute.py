@@ -14,10 +14,11 @@ The candidates are every page of every chunk after the first. Policies rank them
 
 Reuse. A recomputed page's KV depends on everything before it in the prompt: the preamble, the
 chunks before it and which of their pages were recomputed. So the pages recomputed for a chunk
-are kept in the chunk cache under a key that chains all of that (`chain_root`, `context_key`,
-`chained`), and a later request whose prompt starts with the same chunks finds them: it takes
-the earlier request's choice for those chunks and its pages as they are (bit for bit what it
-would recompute), and spends what is left of its budget on the chunks after them.
+are kept in the chunk cache under that context (`chain_root`, `context_key`, `chained`) and the
+pages chosen. Every request makes its own choice, as without reuse; a later request whose prompt
+starts with the same chunks takes the cached pages of each leading chunk whose cached choice
+holds every page it chose there (a superset of its own choice, bit for bit what recomputing that
+choice gives), and recomputes its own choice from the first chunk without one.
 """
 
 from __future__ import annotations
