@@ -2,6 +2,7 @@
 request's page table, the shared pages and the logits (random:tiny on the CPU, fp32)."""
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -259,6 +260,46 @@ def test_a_request_reads_every_page_of_its_own_choice_recomputed_whatever_it_reu
         assert len(private) == len(computed) + sum(len(e.selection) for e in reused)
         engine._prefill([seq])
         seq.placement.release(engine.cache)
+
+
+@pytest.mark.parametrize("policy", ["head", "attention"])
+def test_a_prompt_whose_every_chunk_is_in_its_shared_prefix_reproduces_full(paged_store, tiny, policy):
+    reqs = [replace(r, shared_prefix=len(r.chunks)) for r in requests(paged_store, tiny)]
+    _, _, full = prefill_logits(tiny, paged_store, "full", reqs)
+    _, _, lazy = prefill_logits(tiny, paged_store, "lazy", reqs, Recompute(0.2, policy, layer=1))
+    torch.testing.assert_close(lazy, full, atol=2e-5, rtol=1e-5)
+
+
+def test_a_shared_prefix_is_recomputed_whole_once_and_read_by_the_prompts_after(paged_store, tiny):
+    recompute = Recompute(0.2, Policy.ATTENTION, layer=1)
+    a, b, c = (replace(r, shared_prefix=2) for r in same_context(paged_store, tiny))
+    engine = Engine(tiny, paged_store, "lazy", cache_bytes=8 << 20, batch_size=4, recompute=recompute)
+    run_alone(engine, [a])
+    whole = [e for e in recomputed_entries(engine).values() if len(e.selection) == len(e.pages) > 0]
+    for req in (b, c):
+        (seq,) = place(engine, [req])
+        engine._choose_recompute([seq])
+        p = seq.placement
+        second = p.n_preamble + p.chunk_rows[0]
+        assert p.recomputed[0] in whole and p.recomputed[0].selection == tuple(range(p.chunk_rows[1]))
+        assert all(row >= second + p.chunk_rows[1] for row, _ in p.recompute)  # its own choice after the prefix
+        assert set(own_choice(paged_store, tiny, recompute, req)) <= {
+            row for row in range(p.n_preamble, p.n_context) if not p.shared[row]}
+        engine._prefill([seq])
+        seq.placement.release(engine.cache)
+
+
+def test_a_context_whose_earlier_chunk_was_evicted_is_found_again(paged_store, tiny):
+    recompute = Recompute(0.4, "head")
+    a, b, _ = same_context(paged_store, tiny)
+    engine = Engine(tiny, paged_store, "lazy", cache_bytes=8 << 20, batch_size=4, recompute=recompute)
+    run_alone(engine, [a])
+    (leading, *later) = (e for e in recomputed_entries(engine).values())
+    engine.cache.evict(leading.key)  # the pages of its second chunk go; those after it stay
+    (seq,) = place(engine, [b])
+    p = seq.placement
+    assert later and all(e in p.recomputed for e in later)  # read again, not recomputed twice
+    assert [e.selection for e in p.created] == [leading.selection]
 
 
 def test_requests_of_one_step_share_what_the_first_recomputes(paged_store, tiny):
