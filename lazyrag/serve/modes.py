@@ -167,6 +167,10 @@ class ServingMode:
                 for q, page in zip(entry.selection, entry.pages):
                     p.rows[first[c] + q, PAGE] = page
                     p.shared[first[c] + q] = 0
+            if entry.pages and len(entry.pages) == p.chunk_rows[c]:
+                # a whole chunk recomputed: every request after this context reads the same pages
+                # at the same positions, so they are read chunk-major like a stored chunk's
+                p.shared[first[c]: first[c] + p.chunk_rows[c]] = entry.pages[0] + 1
             p.recomputed.append(entry)
             state = chained(context, entry.selection)
         unused, p.spare = p.spare, []  # back to the pool now rather than when the request ends

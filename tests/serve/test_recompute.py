@@ -232,6 +232,12 @@ def test_a_reused_page_equals_a_freshly_recomputed_one_bit_for_bit(paged_store, 
     assert torch.equal(reused, alone)  # same choice, same pages: the same bits as when b recomputes
 
 
+def recomputed_rows(p):
+    """The context rows of a placement that point at recomputed pages, not at the stored chunk's."""
+    stored = {page for entry in p.pins for page in entry.pages}
+    return [row for row in range(p.n_preamble, p.n_context) if int(p.rows[row, PAGE]) not in stored]
+
+
 def own_choice(paged_store, tiny, recompute, req):
     """The rows `req` recomputes when nothing is reused (its own choice)."""
     alone = Engine(tiny, paged_store, "lazy", cache_bytes=8 << 20, batch_size=4,
@@ -252,7 +258,7 @@ def test_a_request_reads_every_page_of_its_own_choice_recomputed_whatever_it_reu
         engine._choose_recompute([seq])
         p = seq.placement
         own = own_choice(paged_store, tiny, recompute, req)
-        private = [row for row in range(p.n_preamble, p.n_context) if not p.shared[row]]
+        private = recomputed_rows(p)
         assert set(own) <= set(private)  # reused or computed: never a shared page where it chose one
         computed = sorted(row for row, _ in p.recompute)
         assert set(computed) <= set(own)  # it computes nothing beyond its own choice
@@ -283,8 +289,7 @@ def test_a_shared_prefix_is_recomputed_whole_once_and_read_by_the_prompts_after(
         second = p.n_preamble + p.chunk_rows[0]
         assert p.recomputed[0] in whole and p.recomputed[0].selection == tuple(range(p.chunk_rows[1]))
         assert all(row >= second + p.chunk_rows[1] for row, _ in p.recompute)  # its own choice after the prefix
-        assert set(own_choice(paged_store, tiny, recompute, req)) <= {
-            row for row in range(p.n_preamble, p.n_context) if not p.shared[row]}
+        assert set(own_choice(paged_store, tiny, recompute, req)) <= set(recomputed_rows(p))
         engine._prefill([seq])
         seq.placement.release(engine.cache)
 

@@ -2,6 +2,8 @@
 step for all of them, with the same logits and the same greedy answers as reading them per
 request, over an fp32 store and over an fp8 one."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 from serve_stores import make_store, place, request
@@ -144,6 +146,30 @@ def test_recompute_gives_the_same_answers_with_and_without_chunk_major(stored):
         engine.run(requests(store, loaded), lambda seq, got=got: got.__setitem__(seq.id, seq.generated))
         engine.close()
     assert answers[True] == answers[False]
+
+
+def test_whole_chunks_of_a_shared_prefix_are_read_chunk_major_with_the_same_answers(stored):
+    """Pages recomputed for a whole chunk of a shared prefix are read by every request after the
+    same context: labelled as a stored chunk's are, they are read once per step for all of them."""
+    loaded, store = stored
+    fmt = PromptFormat(loaded.tokenizer)
+    reqs = [replace(request(store, fmt, r, ["nile", "iron", "bach"], q), shared_prefix=2)
+            for r, q in (("a", "How long is the Nile?"), ("b", "Who was born in Eisenach?"), ("c", "Which symbol?"))]
+    placed = Engine(loaded, store, "lazy", cache_bytes=8 << 20, batch_size=4, recompute=Recompute(0.3, "head"))
+    labelled = []
+    for s in place(placed, reqs):  # placed only: the first recomputes the prefix's second chunk, the others read it
+        p = s.placement
+        labelled.append(set(p.shared[p.n_preamble + p.chunk_rows[0]: p.n_preamble + sum(p.chunk_rows[:2])].tolist()))
+    placed.close()
+    answers = {}
+    for shared in (True, False):
+        engine = Engine(loaded, store, "lazy", cache_bytes=8 << 20, batch_size=4, stop_at_eos=False,
+                        shared_attention=shared, recompute=Recompute(0.3, "head"))
+        got = answers[shared] = {}
+        engine.run(reqs, lambda seq, got=got: got.__setitem__(seq.id, seq.generated))
+        engine.close()
+    assert len(set.union(*labelled)) == 1 and 0 not in labelled[0]  # one label, the same in every request
+    assert answers[True] == answers[False] and len(answers[True]) == 3
 
 
 def test_feeds_without_shared_rows_stay_whole_and_out_of_the_grouping(stored):
