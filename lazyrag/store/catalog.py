@@ -175,6 +175,21 @@ def _connect_frozen(file: Path) -> sqlite3.Connection:
     return db
 
 
+# Tables every format's catalog has; the schema script adds only what a newer format added.
+_CORE_TABLES = {"meta", "segments", "chunks"}
+
+
+def _require_tables(db: sqlite3.Connection, file: Path) -> None:
+    """Refuse a catalog without the core tables (an emptied or foreign file) before anything writes
+    to it: bringing the schema up to date would turn it into an empty catalog and orphan the data."""
+    names = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    missing = _CORE_TABLES - names
+    if missing:
+        raise StoreError(f"{file} is not a lazyrag catalog (no {', '.join(sorted(missing))} table"
+                         f"{'s' if len(missing) > 1 else ''}: emptied or replaced); the store cannot be used as "
+                         "it is: rebuild it with `lazyrag index CORPUS` into a new --store")
+
+
 class Catalog:
     """One store's catalog file, shared by the threads of one process (one connection, one lock)."""
 
@@ -185,8 +200,14 @@ class Catalog:
         self._lock = threading.RLock()
         if frozen:
             self._db = _connect_frozen(file)
+            _require_tables(self._db, file)
             return
         self._db = sqlite3.connect(file, check_same_thread=False, isolation_level=None, timeout=30)
+        try:
+            _require_tables(self._db, file)
+        except BaseException:
+            self._db.close()
+            raise
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")
         if writable:
