@@ -121,7 +121,7 @@ class ChunkResolver:
                 raise StoreError("the store holds no chunks to retrieve from; index a corpus first")
             from lazyrag.retrieve import Retriever  # bm25s loads only when a query needs it
 
-            self._retriever = Retriever(self.store)
+            self._retriever = Retriever.for_store(self.store)
         return resolve_chunks(self.store, q, self._retriever, self.top_k)
 
 

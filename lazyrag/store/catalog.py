@@ -110,6 +110,16 @@ def _info(row: tuple) -> ChunkInfo:
     return ChunkInfo(cid, doc, ordinal, token_ids_from_bytes(blob), text, seg, off, length, padded, crc)
 
 
+def _first_of_each(rows: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    seen: set[str] = set()
+    first = []
+    for chunk_id, text in rows:
+        if chunk_id not in seen:
+            seen.add(chunk_id)
+            first.append((chunk_id, text))
+    return first
+
+
 def _publish(db: sqlite3.Connection, doc_ids: Iterable[str]) -> None:
     """Make the pending version of each of ``doc_ids`` its published chunk list, where all its
     chunks are stored."""
@@ -347,6 +357,15 @@ class Catalog:
             ).fetchall()
         for r in rows:
             yield _info(r)
+
+    def retrieval_chunks(self) -> list[tuple[str, str]]:
+        """(chunk id, text) of each chunk of published documents, once, ordered by the first
+        (document id, ordinal) that lists it: an order that depends only on the documents, not
+        on when or in which segments their chunks were stored."""
+        with self.reading() as db:
+            rows = db.execute("SELECT d.chunk_id, c.text FROM doc_chunks d JOIN chunks c ON c.chunk_id = d.chunk_id "
+                              "ORDER BY d.doc_id, d.ordinal").fetchall()
+        return _first_of_each(rows)
 
     def live_chunks(self, segment: str) -> list[ChunkInfo]:
         """The chunks of ``segment`` some document version references, by offset."""

@@ -240,6 +240,11 @@ class Store:
         """The chunks of the documents readers can see, in storage order (segment, then offset)."""
         return self._catalog.iter_chunks()
 
+    def retrieval_chunks(self) -> list[tuple[str, str]]:
+        """(chunk id, text) of the chunks readers can see, each once, by document id then chunk
+        index (Catalog.retrieval_chunks): BM25's corpus, in an order the build does not change."""
+        return self._catalog.retrieval_chunks()
+
     @property
     def num_chunks(self) -> int:
         """Chunks stored, whether or not a document references them."""
