@@ -46,6 +46,7 @@ class IndexResult:
     bad_skipped: int
     seconds: float
     chunks_repaired: int = 0  # damaged chunks (corrupt or missing data) encoded again
+    retrieval_rebuilt: bool = False  # the saved BM25 index was stale or damaged and was built again
     write_wait_s: float = 0.0  # the model waited this long for writers (a free one, then the last writes)
     writer_copy_s: float = 0.0  # the writers' time copying KV off the GPU, summed over threads
     writer_store_s: float = 0.0  # and storing it (checksums, writes, fsync, catalog commit)
@@ -326,8 +327,20 @@ def build_index(cfg: IndexConfig, report=print, progress: bool = True, loaded: L
         return index_result(cfg, store, todo, damaged, stats, t0, times)
 
 
+def refresh_retrieval(store: Store) -> bool:
+    """Rebuild a saved BM25 index that no longer matches the store or is damaged (True when it
+    did): `check` reports a damaged one and says that `index` repairs it."""
+    if not (store.local_dir / "bm25").exists():
+        return False  # none saved yet: the first query that needs retrieval builds it
+    from lazyrag.retrieve import refresh_index  # bm25s loads only when there is an index to refresh
+
+    return refresh_index(store)
+
+
 def index_result(cfg: IndexConfig, store: Store, todo: dict[str, NewChunk], damaged: set[str], stats: CorpusStats,
                  t0: float, times: WriterTimes | None = None) -> IndexResult:
+    """The run's numbers; the last step of every index run, so it also refreshes the retrieval index."""
+    retrieval_rebuilt = refresh_retrieval(store)
     summary = store.summary()
     times = times or WriterTimes()
     return IndexResult(
@@ -335,6 +348,7 @@ def index_result(cfg: IndexConfig, store: Store, todo: dict[str, NewChunk], dama
         tokens_added=sum(len(c.token_ids) for c in todo.values()), tokens_total=summary["tokens"],
         documents_total=summary["documents"], documents_empty=stats.empty_skipped, bad_skipped=stats.bad_skipped,
         seconds=round(time.perf_counter() - t0, 3), chunks_repaired=len(damaged & todo.keys()),
+        retrieval_rebuilt=retrieval_rebuilt,
         write_wait_s=round(times.wait_s, 3), writer_copy_s=round(times.copy_s, 3),
         writer_store_s=round(times.store_s, 3),
     )

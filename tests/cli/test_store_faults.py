@@ -6,6 +6,8 @@ import shutil
 import pytest
 from cli_tools import TINY, cli, index_docs
 
+from lazyrag.store import Store
+
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
@@ -31,3 +33,52 @@ def test_an_emptied_catalog_is_refused_by_every_command_compact_included(store, 
     # nothing re-initialised it: the file is still empty and its segments still there
     assert (copy / "catalog.sqlite").stat().st_size == 0
     assert any((copy / "segments").glob("seg-*"))
+
+
+def corpus_of(tmp_path, **docs):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir(exist_ok=True)
+    for name, text in docs.items():
+        (corpus / f"{name}.txt").write_text(text)
+    return corpus
+
+
+def index(corpus, store, *args):
+    res = cli("index", corpus, "--store", store, *TINY, "-q", *args)
+    assert res.exit_code == 0, res.output
+    return res
+
+
+def test_a_segment_replaced_by_a_symlink_is_re_encoded_by_index(tmp_path):
+    store = tmp_path / "s.zarr"
+    corpus = corpus_of(tmp_path, a="Alpha is the first letter.\n\nBeta is the second letter.",
+                       b="Gamma is the third letter.")
+    index(corpus, store)
+    segment = next((store / "segments").glob("seg-*"))
+    segment.rename(tmp_path / "elsewhere")
+    segment.symlink_to(tmp_path / "elsewhere")  # the same bytes, but no longer the store's own
+    res = cli("check", "--store", store)
+    assert res.exit_code == 4 and "lazyrag index" in res.stdout, res.output
+    index(corpus, store)
+    res = cli("check", "--store", store)
+    assert res.exit_code == 0, res.output
+    assert (tmp_path / "elsewhere").is_dir()  # nothing outside the store was touched
+
+
+def test_checks_verdict_counts_the_damage_not_the_stores_totals(tmp_path):
+    store = tmp_path / "s.zarr"
+    corpus = corpus_of(tmp_path, **{f"d{i}": f"Document {i} is about topic number {i}." for i in range(4)})
+    index(corpus, store)
+    with Store.open(store) as st:
+        bad = st.doc_chunks("d2.txt")[0]
+        row_bytes = st.settings.row_bytes
+    shard = next(p for p in (store / "segments" / bad.segment / "c").rglob("*") if p.is_file())
+    data = bytearray(shard.read_bytes())
+    data[bad.offset * row_bytes + 8] ^= 0x40
+    shard.write_bytes(bytes(data))
+    res = cli("check", "--store", store)
+    assert res.exit_code == 4
+    verdict = res.stdout.strip().splitlines()[-1]
+    assert verdict.startswith("damaged: 1 chunk in 1 segment "), verdict
+    assert "the store holds 4 chunks in 1 segment)" in verdict
+    assert f"corrupt: chunk {bad.chunk_id}" in res.stdout
