@@ -13,6 +13,7 @@ is set, in which case the message goes to ``report`` and reading continues.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -94,6 +95,10 @@ def read_corpus(
 
     for file in files:
         stats.files += 1
+        if not _utf8_name(file):
+            # its name could not become a document id, nor be stored or printed as it is
+            bad(f"{printable_path(file)}:1: the file name is not valid UTF-8; rename the file")
+            continue
         if file.suffix.lower() == ".jsonl":
             docs = _read_jsonl(file, bad)
         else:
@@ -112,6 +117,19 @@ def read_corpus(
             seen[doc.id] = doc.source
             stats.documents += 1
             yield doc
+
+
+def _utf8_name(path: Path) -> bool:
+    try:
+        str(path).encode("utf-8")
+        return True
+    except UnicodeEncodeError:  # os.fsdecode made surrogates of the bytes that are not UTF-8
+        return False
+
+
+def printable_path(path: Path) -> str:
+    """``path`` with the bytes of its name that are not UTF-8 written as escapes (``\\xff``)."""
+    return os.fsencode(path).decode("utf-8", "backslashreplace")
 
 
 def _is_corpus_file(p: Path, root: Path) -> bool:

@@ -1,6 +1,7 @@
 """Faults in a store's files and in a corpus: each command refuses, repairs or reports them
 the same way, and what it says names the damage, not the store's totals."""
 
+import os
 import shutil
 
 import pytest
@@ -82,3 +83,19 @@ def test_checks_verdict_counts_the_damage_not_the_stores_totals(tmp_path):
     assert verdict.startswith("damaged: 1 chunk in 1 segment "), verdict
     assert "the store holds 4 chunks in 1 segment)" in verdict
     assert f"corrupt: chunk {bad.chunk_id}" in res.stdout
+
+
+def test_a_file_name_that_is_not_utf8_is_a_bad_input_named_by_its_escapes(tmp_path):
+    corpus = corpus_of(tmp_path, a="Alpha is the first letter.")
+    (corpus / os.fsdecode(b"\xff.txt")).write_text("Delta is the fourth letter.")
+    store = tmp_path / "s.zarr"
+    # refused before the model loads: this model would fail to load
+    res = cli("index", corpus, "--store", store, "--model", "/no/such/model", "--device", "cpu")
+    assert res.exit_code == 3, res.output
+    assert "\\xff.txt:1: the file name is not valid UTF-8" in res.stderr
+    assert not store.exists()
+    res = cli("index", corpus, "--store", store, *TINY, "--skip-bad")
+    assert res.exit_code == 0, res.output
+    assert "skipped: " in res.stderr and "\\xff.txt:1" in res.stderr
+    with Store.open(store) as st:
+        assert st.documents() == ["a.txt"]
