@@ -1,11 +1,12 @@
 """Faults in a store's files and in a corpus: each command refuses, repairs or reports them
 the same way, and what it says names the damage, not the store's totals."""
 
+import json
 import os
 import shutil
 
 import pytest
-from cli_tools import TINY, cli, index_docs
+from cli_tools import TINY, answer, cli, index_docs
 
 from lazyrag.store import Store
 
@@ -99,3 +100,29 @@ def test_a_file_name_that_is_not_utf8_is_a_bad_input_named_by_its_escapes(tmp_pa
     assert "skipped: " in res.stderr and "\\xff.txt:1" in res.stderr
     with Store.open(store) as st:
         assert st.documents() == ["a.txt"]
+
+
+def test_a_run_record_the_disk_cannot_hold_leaves_no_tmp_file(store, tmp_path, monkeypatch):
+    import errno
+    import pathlib
+    import sqlite3
+
+    def read_only(self, run_id, record):
+        raise sqlite3.OperationalError("attempt to write a readonly database")
+
+    real_write_text = pathlib.Path.write_text
+
+    def disk_full(self, text, *args, **kwargs):
+        if self.name.endswith(".run.json.tmp"):
+            real_write_text(self, "")  # the file is made, then its data does not fit
+            raise OSError(errno.ENOSPC, "No space left on device", str(self))
+        return real_write_text(self, text, *args, **kwargs)
+
+    monkeypatch.setattr(Store, "save_run", read_only)
+    monkeypatch.setattr(pathlib.Path, "write_text", disk_full)
+    queries = tmp_path / "q.jsonl"
+    real_write_text(queries, json.dumps({"id": "q", "question": "Rings?", "docs": ["saturn"]}) + "\n")
+    res = answer(queries, store, tmp_path / "a.jsonl")
+    assert res.exit_code == 0, res.output
+    assert "could not write the run's record" in res.stderr
+    assert not list(tmp_path.glob("*.tmp"))
