@@ -152,6 +152,9 @@ def index(
     workers: int = typer.Option(IndexConfig.workers, min=1,
                                 help="Encoding processes, documents split between them: one per GPU (cuda:0..N-1), "
                                      "or on the CPU each with its share of the threads."),
+    sync: bool = typer.Option(IndexConfig.sync, "--sync",
+                              help="Also take the documents the corpus no longer holds out of the store (a bad "
+                                   "input skipped counts as gone); their chunks stay on disk until `lazyrag compact`."),
     as_json: bool = JsonOpt,
     quiet: bool = QuietOpt,
 ):
@@ -167,7 +170,7 @@ def index(
     cfg = IndexConfig(corpus=corpus, store=_store(store), model=model, device=device, dtype=dtype,
                       chunk_tokens=chunk_tokens, page_size=page_size, batch_tokens=batch_tokens,
                       skip_bad=skip_bad, trust_remote_code=trust_remote_code, force=force, verify=verify,
-                      workers=workers)
+                      workers=workers, sync=sync)
     if as_json or quiet:
         _quiet_libraries()
     scan = scan_corpus(cfg)
@@ -189,6 +192,8 @@ def index(
                   f"{result.store} holds {result.chunks_total} chunks of {result.documents_total} documents")
     if result.documents_empty or result.bad_skipped:
         out.print(f"skipped {result.documents_empty} empty documents and {result.bad_skipped} bad inputs")
+    if result.documents_removed:
+        out.print(escape(result.removed_line()), highlight=False)
 
 
 @app.command()

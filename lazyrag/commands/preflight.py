@@ -54,6 +54,9 @@ def check_index(cfg: IndexConfig, scan: CorpusScan) -> SizeEstimate | None:
     errors), and a store the disk cannot hold (ResourceError, unless cfg.force); returns the
     size estimate (None for a store on object storage: no local disk to fill)."""
     worker_devices(cfg.device, cfg.workers)
+    if cfg.sync and not isinstance(cfg.store, Path):
+        raise click.BadParameter("is not supported on object storage yet (its manifest log records no removal)",
+                                 param_hint="'--sync'")
     if isinstance(cfg.store, Path) and not (cfg.store / "zarr.json").exists():
         where = _existing_ancestor(cfg.store)
         if not os.access(where, os.W_OK):  # says no on a read-only filesystem, even to root

@@ -280,6 +280,19 @@ class Catalog:
         with self.transaction() as db:
             record_documents(db, docs, timestamp())
 
+    def document_ids(self) -> set[str]:
+        """Every document the catalog lists: published, or with a version still pending."""
+        with self.reading() as db:
+            return {r[0] for r in db.execute("SELECT doc_id FROM documents UNION SELECT doc_id FROM pending_chunks")}
+
+    def remove_documents(self, doc_ids: Iterable[str]) -> None:
+        """Take documents out of readers' view, with any pending version, in one transaction; the
+        chunks only they listed become unreferenced, for compaction to reclaim."""
+        with self.transaction() as db:
+            for table in ("documents", "doc_chunks", "pending_chunks"):
+                db.executemany(f"DELETE FROM {table} WHERE doc_id = ?", [(d,) for d in doc_ids])
+            db.execute("INSERT OR REPLACE INTO meta VALUES ('updated', ?)", (timestamp(),))
+
     def changed_documents(self, docs: Mapping[str, Sequence[str]]) -> dict[str, Sequence[str]]:
         """Those of ``docs`` that :meth:`put_documents` would change: a list other than the published one,
         or a document with a pending version."""
