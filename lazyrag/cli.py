@@ -123,8 +123,14 @@ def _quiet_libraries() -> None:
     logging.set_verbosity_error()
 
 
+def given_options(ctx: click.Context, names: tuple[str, ...]) -> set[str]:
+    """Those of ``names`` the command line gave (not left at their defaults)."""
+    return {n for n in names if ctx.get_parameter_source(n) is not click.core.ParameterSource.DEFAULT}
+
+
 @app.command()
 def index(
+    ctx: typer.Context,
     corpus: Path = typer.Argument(..., help="A directory (.txt, .md, .jsonl, recursively) or one .jsonl file "
                                             "with lines {\"id\", \"text\", \"title\"?}."),
     store: str = StoreOpt,
@@ -162,15 +168,17 @@ def index(
 
     Re-running adds only chunks that are not stored yet; an interrupted run resumes.
     Chunks in missing or truncated segments are encoded again (with --verify, corrupt ones too).
-    A store built with another model or other settings is refused.
+    An existing store's model, --chunk-tokens, --page-size and --kv-dtype are used unless given;
+    given ones that differ from the store's are refused.
     """
     from lazyrag.commands.index import build_index
-    from lazyrag.commands.preflight import check_index, scan_corpus
+    from lazyrag.commands.preflight import STORE_OPTIONS, check_index, scan_corpus, with_store_settings
 
     cfg = IndexConfig(corpus=corpus, store=_store(store), model=model, device=device, dtype=dtype,
                       chunk_tokens=chunk_tokens, page_size=page_size, batch_tokens=batch_tokens,
                       skip_bad=skip_bad, trust_remote_code=trust_remote_code, force=force, verify=verify,
                       workers=workers, sync=sync)
+    cfg = with_store_settings(cfg, given_options(ctx, STORE_OPTIONS))  # re-indexing repeats no option
     if as_json or quiet:
         _quiet_libraries()
     scan = scan_corpus(cfg)

@@ -39,3 +39,21 @@ def test_sync_is_refused_on_object_storage_before_the_model_loads(tmp_path):
     corpus = corpus_of(tmp_path, a="Alpha is the first letter.")
     res = cli("index", corpus, "--store", "s3://bucket/prefix", "--model", "/no/such/model", "--sync")
     assert res.exit_code == 2 and "--sync" in res.stderr, res.output
+
+
+def test_reindexing_takes_the_stores_own_settings_when_none_are_given(tmp_path):
+    store = tmp_path / "s.zarr"
+    corpus = corpus_of(tmp_path, a="Alpha is the first letter.")
+    res = cli("index", corpus, "--store", store, *TINY, "--chunk-tokens", "64", "--page-size", "16",
+              "--kv-dtype", "fp16", "-q")
+    assert res.exit_code == 0, res.output
+    corpus_of(tmp_path, b="Gamma is the third letter.")
+    res = cli("index", corpus, "--store", store, "--device", "cpu", "-q", "--json")  # no model, no settings
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["chunks_added"] == 1
+    with Store.open(store) as st:
+        s = st.settings
+        assert (s.model, s.chunking["chunk_tokens"], s.page_size, s.kv_dtype) == ("random:tiny", 64, 16, "float16")
+        assert st.documents() == ["a.txt", "b.txt"]
+    res = cli("index", corpus, "--store", store, "--device", "cpu", "--chunk-tokens", "128", "-q")
+    assert res.exit_code == 4 and "chunk" in res.stderr, res.output  # a given setting that differs is refused
