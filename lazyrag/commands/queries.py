@@ -90,6 +90,8 @@ def _parse_query(line: str, n: int) -> Query:
         if value == [] and key != "answers":  # an empty list would silently mean "retrieve"
             raise ValueError(f'"{key}" is empty; leave it out to retrieve the top --top-k chunks')
         lists[key] = [str(v) for v in value] if value is not None else None
+    if lists["docs"] and lists["chunks"]:  # one would be ignored without a word
+        raise ValueError('gives both "docs" and "chunks"; keep one (docs: all their chunks; chunks: just those)')
     return Query(qid, question, n, **lists)
 
 
