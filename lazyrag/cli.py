@@ -319,7 +319,8 @@ def answer(
             render_run(result.record, out)
         elif not result.queries_in_file:
             out.print(f"{queries} holds no queries")
-        out.print(f"{result.failed} queries failed" + (f", listed in {result.errors}" if result.failed else ""))
+        out.print(f"{result.failed} queries failed" + (f", listed in {result.errors}" if result.failed else "")
+                  + (f"; {len(result.bad)} bad lines skipped (reported above)" if result.bad else ""))
         if result.record_file:
             out.print(f"the store is not writable: this run's record is in {result.record_file}")
     if result.nothing_answered:

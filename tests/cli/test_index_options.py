@@ -57,3 +57,18 @@ def test_reindexing_takes_the_stores_own_settings_when_none_are_given(tmp_path):
         assert st.documents() == ["a.txt", "b.txt"]
     res = cli("index", corpus, "--store", store, "--device", "cpu", "--chunk-tokens", "128", "-q")
     assert res.exit_code == 4 and "chunk" in res.stderr, res.output  # a given setting that differs is refused
+
+
+def test_the_summaries_of_index_and_answer_count_the_bad_lines_skipped(tmp_path):
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text('{"id": "a", "text": "Alpha is the first letter."}\n{"id": \n')
+    store = tmp_path / "s.zarr"
+    res = cli("index", corpus, "--store", store, *TINY, "-q", "--skip-bad")
+    assert res.exit_code == 0, res.output
+    assert "1 bad inputs" in res.stdout and f"{corpus}:2" in res.stderr
+    queries = tmp_path / "q.jsonl"
+    queries.write_text('{"id": "q1", "question": "Alpha?", "docs": ["a"]}\nnot json\n{"id": 2}\n')
+    res = cli("answer", queries, "--store", store, "--out", tmp_path / "a.jsonl", "--device", "cpu",
+              "--max-new-tokens", "2", "-q")
+    assert res.exit_code == 0, res.output
+    assert "2 bad lines skipped" in res.stdout
