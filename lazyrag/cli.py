@@ -62,6 +62,20 @@ app = typer.Typer(
     help="Batch retrieval-augmented generation over a fixed corpus, with each chunk's KV computed once "
          "and reused at any position (deferred RoPE).",
 )
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        from importlib.metadata import version
+
+        out.print(f"lazyrag {version('lazyrag')}", highlight=False)
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(show_version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
+                                            help="Print the version and exit.")):
+    pass  # the group's own options (--version); the help text is the app's
 StoreOpt = typer.Option(DEFAULT_STORE, "--store", "-s", metavar="PATH|URL",
                         help="The zarr store: a directory, or a URL on object storage (s3://BUCKET/PREFIX, gs://, "
                              "az://) with credentials from the environment (AWS_ACCESS_KEY_ID, ...).")
@@ -277,7 +291,7 @@ def answer(
                                          "chunk keys (with --ape-temperature). 1 = off."),
     data_parallel: int = typer.Option(AnswerConfig.data_parallel, min=1, metavar="N",
                                       help="Answer with N engines, one per GPU, as actors on Ray (needs "
-                                           "lazyrag[ray]): a local Ray instance, or the cluster of --ray-address. "
+                                           "lazyrag\\[ray]): a local Ray instance, or the cluster of --ray-address. "
                                            "On a machine without GPUs (or with --device cpu), N CPU engines."),
     ray_address: Optional[str] = typer.Option(AnswerConfig.ray_address, metavar="ADDR",
                                               help="Join this Ray cluster (auto: the one this machine is in) and "
