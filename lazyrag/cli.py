@@ -359,8 +359,8 @@ def check(store: str = StoreOpt, as_json: bool = JsonOpt):
 
     Exits 4 when the store is damaged: a corrupt chunk (checksum mismatch),
     a missing or truncated chunk or segment, a document listing a chunk the
-    catalog lacks, or an orphan segment left by an interrupted write.
-    Exits 0 when it is clean. Chunks no document uses any more are not
+    catalog lacks, an orphan segment left by an interrupted write, or a
+    damaged retrieval index (`index` rebuilds it). Exits 0 when it is clean. Chunks no document uses any more are not
     damage: `lazyrag compact` reclaims them.
     """
     from lazyrag.commands.check import render_check, run_check

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
 from lazyrag.errors import InputError
-from lazyrag.lines import text_lines
+from lazyrag.lines import surrogate_field, text_lines
 from lazyrag.config import ChunkOrder
 from lazyrag.serve.ordering import PopularFirst
 from lazyrag.store import ChunkInfo, Store, StoreError
@@ -82,6 +82,8 @@ def _parse_query(line: str, n: int) -> Query:
         raise ValueError(f'"id" must be a non-empty string, got {json.dumps(qid)[:40]}')
     if not isinstance(question, str) or not question.strip():
         raise ValueError('needs a non-empty "question"')
+    if key := surrogate_field(obj, ("id", "question", *_LIST_ITEMS)):
+        raise ValueError(f'"{key}" holds an unpaired surrogate escape (such as \\ud800): not valid Unicode')
     lists = {}
     for key, valid in _LIST_ITEMS.items():
         value = obj.get(key)

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from lazyrag.errors import InputError
-from lazyrag.lines import text_lines
+from lazyrag.lines import surrogate_field, text_lines
 
 CORPUS_SUFFIXES = (".txt", ".md", ".jsonl")
 
@@ -201,4 +201,6 @@ def _check_record(obj: Any) -> str | None:
     title = obj.get("title")
     if title is not None and not isinstance(title, str):
         return f'"title" must be a string, got {type(title).__name__}'
+    if key := surrogate_field(obj, ("id", "text", "title")):
+        return f'"{key}" holds an unpaired surrogate escape (such as \\ud800): not valid Unicode'
     return None
