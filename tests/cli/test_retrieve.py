@@ -107,3 +107,15 @@ def test_a_damaged_index_is_rebuilt_by_answer_reported_by_check_and_repaired_by_
     assert res.exit_code == 0, res.output
     res = cli("check", "--store", store)
     assert res.exit_code == 0, res.output
+
+
+def test_stable_top_keeps_position_order_among_equal_scores():
+    import numpy as np
+
+    from lazyrag.retrieve import stable_top
+
+    scores = np.array([0.5, 2.0, 1.0, 2.0, 1.0, 0.0, 1.0], dtype=np.float32)
+    assert stable_top(scores, 1).tolist() == [1]
+    assert stable_top(scores, 3).tolist() == [1, 3, 2]
+    assert stable_top(scores, 5).tolist() == [1, 3, 2, 4, 6]
+    assert stable_top(scores, 10).tolist() == [1, 3, 2, 4, 6, 0, 5]
