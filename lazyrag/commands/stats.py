@@ -43,6 +43,8 @@ def _ms(d: dict, key: str) -> str:
 def render_stats(data: dict, console: Console) -> None:
     s = data["store"]
     t = Table(title="store", show_header=False, title_justify="left")
+    t.add_column("key")
+    t.add_column("value", overflow="fold")  # a long path folds onto more lines, never cut
     for label, value in [("path", data["path"]), ("model", s["model"]), ("fingerprint", s["fingerprint"][:16]),
                          ("documents", f"{s['documents']:,}"), ("chunks", f"{s['chunks']:,}"),
                          ("tokens", f"{s['tokens']:,}"), ("on disk", _gb(s["bytes"])), ("kv dtype", s["kv_dtype"]),
