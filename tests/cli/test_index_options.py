@@ -38,7 +38,7 @@ def test_sync_takes_documents_gone_from_the_corpus_out_and_compact_reclaims_them
 def test_sync_is_refused_on_object_storage_before_the_model_loads(tmp_path):
     corpus = corpus_of(tmp_path, a="Alpha is the first letter.")
     res = cli("index", corpus, "--store", "s3://bucket/prefix", "--model", "/no/such/model", "--sync")
-    assert res.exit_code == 2 and "--sync" in res.stderr, res.output
+    assert res.exit_code == 2 and "--sync" in res.stderr and "object storage" in res.stderr, res.output
 
 
 def test_reindexing_takes_the_stores_own_settings_when_none_are_given(tmp_path):
