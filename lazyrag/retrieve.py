@@ -188,6 +188,8 @@ def save_index(path: Path, retriever: Retriever, corpus_stamp: dict) -> None:
     (tmp / IDS_FILE).write_text(json.dumps(retriever.chunk_ids))
     files = {f.name: _digest(f) for f in sorted(tmp.iterdir())}
     (tmp / STAMP_FILE).write_text(json.dumps({"version": STAMP_VERSION, "corpus": corpus_stamp, "files": files}))
+    if path.is_symlink() or path.is_file():
+        path.unlink()  # a link or file in the index's place: replaced, never followed
     shutil.rmtree(path, ignore_errors=True)
     tmp.rename(path)
 

@@ -1,5 +1,8 @@
-"""BM25 retrieval over a store's visible chunks: rebuilt when the chunk set changes, kept in
-memory when the store cannot be written."""
+"""BM25 retrieval over a store's visible chunks: built when a query first retrieves, rebuilt when
+the chunk set changes or a saved file is damaged, kept in memory when the store cannot be written;
+ties broken by document id and chunk index, whatever order the store was built in."""
+
+import shutil
 
 from cli_tools import TINY, cli, rows, write_jsonl
 
@@ -119,3 +122,23 @@ def test_stable_top_keeps_position_order_among_equal_scores():
     assert stable_top(scores, 3).tolist() == [1, 3, 2]
     assert stable_top(scores, 5).tolist() == [1, 3, 2, 4, 6]
     assert stable_top(scores, 10).tolist() == [1, 3, 2, 4, 6, 0, 5]
+
+
+def test_a_file_or_link_in_the_index_place_is_replaced_never_followed(tmp_path):
+    store = tmp_path / "s.zarr"
+    corpus, queries = corpus_and_queries(tmp_path)
+    index(store, corpus)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep.txt").write_text("not the store's")
+    for spoiler in ("file", "link"):
+        if spoiler == "file":
+            (store / "bm25").write_text("in the way")
+        else:
+            shutil.rmtree(store / "bm25")
+            (store / "bm25").symlink_to(outside)
+        assert cli("check", "--store", store).exit_code == 4
+        assert answer(queries, store, tmp_path / f"{spoiler}.jsonl").exit_code == 0
+        assert (store / "bm25").is_dir() and not (store / "bm25").is_symlink()
+        assert cli("check", "--store", store).exit_code == 0
+    assert (outside / "keep.txt").read_text() == "not the store's"
