@@ -24,6 +24,7 @@ import bm25s
 import numpy as np
 
 from lazyrag.store import Store
+from lazyrag.store.integrity import Warn, warn_stderr
 
 INDEX_DIR = "bm25"
 STAMP_FILE = "stamp.json"
@@ -33,6 +34,10 @@ STAMP_VERSION = 2  # version 1 stamps held no file digests: such an index is reb
 
 class IndexDamaged(Exception):
     """The saved index cannot be trusted; the message says which file and why."""
+
+
+class IndexStale(IndexDamaged):
+    """The saved index is whole but covers other chunks (the store changed since): rebuilt, no damage."""
 
 
 @dataclass(frozen=True)
@@ -60,14 +65,17 @@ class Retriever:
         self.bm25, self.chunk_ids = bm25, chunk_ids
 
     @classmethod
-    def for_store(cls, store: Store) -> Retriever:
+    def for_store(cls, store: Store, warn: Warn = warn_stderr) -> Retriever:
         """The store's index as saved, or rebuilt from the catalog (and saved) when it is
-        missing, stale or damaged."""
+        missing, stale or damaged; ``warn`` hears of a damaged one."""
         corpus = RetrievalCorpus.of(store)
         path = index_path(store)
         try:
             return load_index(path, corpus.stamp())
-        except (IndexDamaged, FileNotFoundError):
+        except (IndexStale, FileNotFoundError):
+            return rebuild_index(path, corpus)
+        except IndexDamaged as e:
+            warn(f"the retrieval index is damaged ({e}); rebuilt from the catalog")
             return rebuild_index(path, corpus)
 
     @classmethod
@@ -153,10 +161,10 @@ def is_current(stamp: dict, corpus_stamp: dict) -> bool:
 
 def load_index(path: Path, corpus_stamp: dict) -> Retriever:
     """The saved index for ``corpus_stamp``'s chunks; FileNotFoundError when there is none,
-    IndexDamaged when it is stale or cannot be trusted."""
+    IndexStale when it covers other chunks, IndexDamaged when it cannot be trusted."""
     stamp = read_stamp(path)
     if not is_current(stamp, corpus_stamp):
-        raise IndexDamaged(f"{path} is stale")
+        raise IndexStale(f"{path} covers other chunks")
     verify_files(path, stamp)
     try:
         bm25 = bm25s.BM25.load(str(path), allow_pickle=False, show_progress=False)

@@ -103,6 +103,7 @@ def test_a_damaged_index_is_rebuilt_by_answer_reported_by_check_and_repaired_by_
     assert res.exit_code == 4 and "retrieval index" in res.stdout and "lazyrag index" in res.stdout, res.output
     res = answer(queries, store, tmp_path / "second.jsonl")
     assert res.exit_code == 0, res.output
+    assert "retrieval index is damaged" in res.stderr and "rebuilt from the catalog" in res.stderr
     assert sorted(r["id"] for r in rows(tmp_path / "second.jsonl")) == ["q1", "q2"]
     assert cli("check", "--store", store).exit_code == 0  # answer saved the rebuilt index
     spoil_index(store)
