@@ -62,6 +62,20 @@ app = typer.Typer(
     help="Batch retrieval-augmented generation over a fixed corpus, with each chunk's KV computed once "
          "and reused at any position (deferred RoPE).",
 )
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        from importlib.metadata import version
+
+        out.print(f"lazyrag {version('lazyrag')}", highlight=False)
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(show_version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
+                                            help="Print the version and exit.")):
+    pass  # the group's own options (--version); the help text is the app's
 StoreOpt = typer.Option(DEFAULT_STORE, "--store", "-s", metavar="PATH|URL",
                         help="The zarr store: a directory, or a URL on object storage (s3://BUCKET/PREFIX, gs://, "
                              "az://) with credentials from the environment (AWS_ACCESS_KEY_ID, ...).")
@@ -123,8 +137,14 @@ def _quiet_libraries() -> None:
     logging.set_verbosity_error()
 
 
+def given_options(ctx: click.Context, names: tuple[str, ...]) -> set[str]:
+    """Those of ``names`` the command line gave (not left at their defaults)."""
+    return {n for n in names if ctx.get_parameter_source(n) is not click.core.ParameterSource.DEFAULT}
+
+
 @app.command()
 def index(
+    ctx: typer.Context,
     corpus: Path = typer.Argument(..., help="A directory (.txt, .md, .jsonl, recursively) or one .jsonl file "
                                             "with lines {\"id\", \"text\", \"title\"?}."),
     store: str = StoreOpt,
@@ -152,6 +172,9 @@ def index(
     workers: int = typer.Option(IndexConfig.workers, min=1,
                                 help="Encoding processes, documents split between them: one per GPU (cuda:0..N-1), "
                                      "or on the CPU each with its share of the threads."),
+    sync: bool = typer.Option(IndexConfig.sync, "--sync",
+                              help="Also take the documents the corpus no longer holds out of the store (a bad "
+                                   "input skipped counts as gone); their chunks stay on disk until `lazyrag compact`."),
     as_json: bool = JsonOpt,
     quiet: bool = QuietOpt,
 ):
@@ -159,15 +182,17 @@ def index(
 
     Re-running adds only chunks that are not stored yet; an interrupted run resumes.
     Chunks in missing or truncated segments are encoded again (with --verify, corrupt ones too).
-    A store built with another model or other settings is refused.
+    An existing store's model, --chunk-tokens, --page-size and --kv-dtype are used unless given;
+    given ones that differ from the store's are refused.
     """
     from lazyrag.commands.index import build_index
-    from lazyrag.commands.preflight import check_index, scan_corpus
+    from lazyrag.commands.preflight import STORE_OPTIONS, check_index, scan_corpus, with_store_settings
 
     cfg = IndexConfig(corpus=corpus, store=_store(store), model=model, device=device, dtype=dtype,
                       chunk_tokens=chunk_tokens, page_size=page_size, batch_tokens=batch_tokens,
                       skip_bad=skip_bad, trust_remote_code=trust_remote_code, force=force, verify=verify,
-                      workers=workers)
+                      workers=workers, sync=sync)
+    cfg = with_store_settings(cfg, given_options(ctx, STORE_OPTIONS))  # re-indexing repeats no option
     if as_json or quiet:
         _quiet_libraries()
     scan = scan_corpus(cfg)
@@ -189,6 +214,8 @@ def index(
                   f"{result.store} holds {result.chunks_total} chunks of {result.documents_total} documents")
     if result.documents_empty or result.bad_skipped:
         out.print(f"skipped {result.documents_empty} empty documents and {result.bad_skipped} bad inputs")
+    if result.documents_removed:
+        out.print(escape(result.removed_line()), highlight=False)
 
 
 @app.command()
@@ -264,7 +291,7 @@ def answer(
                                          "chunk keys (with --ape-temperature). 1 = off."),
     data_parallel: int = typer.Option(AnswerConfig.data_parallel, min=1, metavar="N",
                                       help="Answer with N engines, one per GPU, as actors on Ray (needs "
-                                           "lazyrag[ray]): a local Ray instance, or the cluster of --ray-address. "
+                                           "lazyrag\\[ray]): a local Ray instance, or the cluster of --ray-address. "
                                            "On a machine without GPUs (or with --device cpu), N CPU engines."),
     ray_address: Optional[str] = typer.Option(AnswerConfig.ray_address, metavar="ADDR",
                                               help="Join this Ray cluster (auto: the one this machine is in) and "
@@ -306,7 +333,8 @@ def answer(
             render_run(result.record, out)
         elif not result.queries_in_file:
             out.print(f"{queries} holds no queries")
-        out.print(f"{result.failed} queries failed" + (f", listed in {result.errors}" if result.failed else ""))
+        out.print(f"{result.failed} queries failed" + (f", listed in {result.errors}" if result.failed else "")
+                  + (f"; {len(result.bad)} bad lines skipped (reported above)" if result.bad else ""))
         if result.record_file:
             out.print(f"the store is not writable: this run's record is in {result.record_file}")
     if result.nothing_answered:
@@ -331,8 +359,8 @@ def check(store: str = StoreOpt, as_json: bool = JsonOpt):
 
     Exits 4 when the store is damaged: a corrupt chunk (checksum mismatch),
     a missing or truncated chunk or segment, a document listing a chunk the
-    catalog lacks, or an orphan segment left by an interrupted write.
-    Exits 0 when it is clean. Chunks no document uses any more are not
+    catalog lacks, an orphan segment left by an interrupted write, or a
+    damaged retrieval index (`index` rebuilds it). Exits 0 when it is clean. Chunks no document uses any more are not
     damage: `lazyrag compact` reclaims them.
     """
     from lazyrag.commands.check import render_check, run_check

@@ -57,6 +57,7 @@ class IndexConfig:
     force: bool = False           # index even when the store's size estimate exceeds the free disk
     verify: bool = False          # read every stored chunk back against its checksum first
     workers: int = 1              # encoding processes: one per GPU, or CPU processes sharing the threads
+    sync: bool = False            # take documents the corpus no longer holds out of the store's view
 
 
 @dataclass

@@ -27,6 +27,20 @@ def text_lines(fh: BinaryIO, path: Path, report: Callable[[str], None],
             yield n, line
 
 
+def surrogate_field(obj: dict, keys: tuple[str, ...]) -> str | None:
+    """The first of ``keys`` whose string (or a string in its list) holds an unpaired surrogate:
+    JSON's "\\ud800" escapes decode to one, and no tokenizer, catalog or file can take it."""
+    for key in keys:
+        value = obj.get(key)
+        for item in value if isinstance(value, list) else [value]:
+            if isinstance(item, str):
+                try:
+                    item.encode("utf-8")
+                except UnicodeEncodeError:
+                    return key
+    return None
+
+
 def _bounded_lines(fh: BinaryIO, max_bytes: int | None) -> Iterator[tuple[int, bytes | None]]:
     """(line number, bytes) per line; None for a line over max_bytes, whose rest is read and
     dropped in bounded pieces."""

@@ -204,11 +204,12 @@ class RecordSink:
                 self.file = run_record_path(self.out)
                 reason = exc if isinstance(exc, StoreError) else f"{self.store.path}: {exc}"
                 self.report(f"cannot write the run log ({reason}); the run's record goes to {self.file}")
+        tmp = self.file.with_name(self.file.name + ".tmp")
         try:
-            tmp = self.file.with_name(self.file.name + ".tmp")
             tmp.write_text(json.dumps(record, sort_keys=True) + "\n")
             tmp.replace(self.file)
         except OSError as exc:  # the answers are safe; losing the record must not hide why the run ended
+            tmp.unlink(missing_ok=True)  # a torn or empty record (a full disk) is litter, not a record
             self.report(f"could not write the run's record to {self.file} ({exc.strerror})")
 
 

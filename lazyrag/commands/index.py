@@ -46,12 +46,21 @@ class IndexResult:
     bad_skipped: int
     seconds: float
     chunks_repaired: int = 0  # damaged chunks (corrupt or missing data) encoded again
+    documents_removed: list[str] = field(default_factory=list)  # --sync: no longer in the corpus
+    retrieval_rebuilt: bool = False  # the saved BM25 index was stale or damaged and was built again
     write_wait_s: float = 0.0  # the model waited this long for writers (a free one, then the last writes)
     writer_copy_s: float = 0.0  # the writers' time copying KV off the GPU, summed over threads
     writer_store_s: float = 0.0  # and storing it (checksums, writes, fsync, catalog commit)
 
     def to_json(self) -> dict:
         return asdict(self)
+
+    def removed_line(self, shown: int = 5) -> str:
+        """What --sync removed, a few ids named."""
+        ids = ", ".join(map(repr, self.documents_removed[:shown]))
+        more = ", ..." if len(self.documents_removed) > shown else ""
+        return (f"removed {len(self.documents_removed)} documents no longer in the corpus ({ids}{more}); "
+                f"`lazyrag compact --store {self.store}` reclaims their chunks")
 
 
 def store_settings(loaded: LoadedModel, name: str, chunk_tokens: int, page_size: int) -> StoreSettings:
@@ -301,6 +310,11 @@ def plan(store: Store, documents: dict[str, list[NewChunk]], verify: bool) -> tu
     return damaged, todo
 
 
+def sync_documents(cfg: IndexConfig, store: Store, documents: dict[str, list[NewChunk]]) -> list[str]:
+    """With --sync, the documents the corpus no longer holds leave the store's view (removed ids)."""
+    return store.remove_missing_documents(documents.keys()) if cfg.sync else []
+
+
 def build_index(cfg: IndexConfig, report=print, progress: bool = True, loaded: LoadedModel | None = None) -> IndexResult:
     """Index cfg.corpus into cfg.store (`loaded`: an already loaded cfg.model, to skip loading;
     with cfg.workers above 1 each worker loads its own)."""
@@ -317,17 +331,30 @@ def build_index(cfg: IndexConfig, report=print, progress: bool = True, loaded: L
         documents = {doc.id: stored_chunks(doc, loaded.tokenizer, settings)
                      for doc in read_corpus(cfg.corpus, skip_bad=cfg.skip_bad, report=report, stats=stats)}
         damaged, todo = plan(store, documents, cfg.verify)
+        removed = sync_documents(cfg, store, documents)
         bar = ProgressBar(len(todo), progress)
         try:
             times = encode_chunks(loaded, settings, list(todo.values()), pages_per_batch(cfg, settings),
                                   lambda chunks, kv: store.append(chunks, kv, replace=damaged), bar.update)
         finally:
             bar.close()
-        return index_result(cfg, store, todo, damaged, stats, t0, times)
+        return index_result(cfg, store, todo, damaged, stats, t0, times, removed)
+
+
+def refresh_retrieval(store: Store) -> bool:
+    """Rebuild a saved BM25 index that no longer matches the store or is damaged (True when it
+    did): `check` reports a damaged one and says that `index` repairs it."""
+    if not (store.local_dir / "bm25").exists():
+        return False  # none saved yet: the first query that needs retrieval builds it
+    from lazyrag.retrieve import refresh_index  # bm25s loads only when there is an index to refresh
+
+    return refresh_index(store)
 
 
 def index_result(cfg: IndexConfig, store: Store, todo: dict[str, NewChunk], damaged: set[str], stats: CorpusStats,
-                 t0: float, times: WriterTimes | None = None) -> IndexResult:
+                 t0: float, times: WriterTimes | None = None, removed: list[str] | None = None) -> IndexResult:
+    """The run's numbers; the last step of every index run, so it also refreshes the retrieval index."""
+    retrieval_rebuilt = refresh_retrieval(store)
     summary = store.summary()
     times = times or WriterTimes()
     return IndexResult(
@@ -335,6 +362,7 @@ def index_result(cfg: IndexConfig, store: Store, todo: dict[str, NewChunk], dama
         tokens_added=sum(len(c.token_ids) for c in todo.values()), tokens_total=summary["tokens"],
         documents_total=summary["documents"], documents_empty=stats.empty_skipped, bad_skipped=stats.bad_skipped,
         seconds=round(time.perf_counter() - t0, 3), chunks_repaired=len(damaged & todo.keys()),
+        retrieval_rebuilt=retrieval_rebuilt, documents_removed=removed or [],
         write_wait_s=round(times.wait_s, 3), writer_copy_s=round(times.copy_s, 3),
         writer_store_s=round(times.store_s, 3),
     )

@@ -28,7 +28,7 @@ import click
 import torch
 
 from lazyrag.commands.index import (IndexResult, ProgressBar, encode_chunks, index_result, pages_per_batch, plan,
-                                    store_settings, stored_chunks)
+                                    store_settings, stored_chunks, sync_documents)
 from lazyrag.config import IndexConfig
 from lazyrag.corpus import CorpusStats, Document, read_corpus
 from lazyrag.failures import classify, debug_traceback
@@ -84,6 +84,7 @@ def index_with_workers(cfg: IndexConfig, report, progress: bool, t0: float) -> I
         documents = {doc_id: chunked[doc_id] for doc_id in order}
         with Store.create_or_open(cfg.store, settings) as store:
             damaged, todo = plan(store, documents, cfg.verify)
+            removed = sync_documents(cfg, store, documents)
             workers.assign(todo, owner, store, pages_per_batch(cfg, settings))
             bar = ProgressBar(len(todo), progress)
             try:
@@ -92,7 +93,7 @@ def index_with_workers(cfg: IndexConfig, report, progress: bool, t0: float) -> I
                     bar.update([c for c, *_ in written.placed])
             finally:
                 bar.close()
-            return index_result(cfg, store, todo, damaged, stats, t0)
+            return index_result(cfg, store, todo, damaged, stats, t0, removed=removed)
 
 
 class Workers:

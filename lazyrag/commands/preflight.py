@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import click
@@ -16,7 +16,8 @@ from lazyrag.config import IndexConfig
 from lazyrag.corpus import CorpusStats, read_corpus
 from lazyrag.errors import ResourceError
 from lazyrag.models.loading import model_config, resolve_device, resolve_dtype
-from lazyrag.store import Store, StoreError, kv_row_bytes
+from lazyrag.store import FP8_KV, Store, StoreError, kv_row_bytes
+from lazyrag.store.format import read_root_attributes
 
 # Text bytes per token: about 4 for the BPE vocabularies of real models, 1 for a byte-level
 # vocabulary (the random presets'), which has no merges.
@@ -40,6 +41,24 @@ class SizeEstimate:
     where: Path    # the directory whose filesystem holds the store
 
 
+# `index` options a store records, and the --kv-dtype that names each stored dtype
+STORE_OPTIONS = ("model", "chunk_tokens", "page_size", "dtype")
+KV_DTYPE_OPTION = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", FP8_KV: "fp8"}
+
+
+def with_store_settings(cfg: IndexConfig, given: set[str]) -> IndexConfig:
+    """``cfg`` with the existing store's own model, chunk size, page size and KV dtype in place of
+    each of STORE_OPTIONS the command line did not give: re-indexing needs no options repeated,
+    and one given that differs from the store is still refused (StoreMismatch). A store on object
+    storage keeps the defaults (reading its settings would cost a replay of its manifests)."""
+    if not isinstance(cfg.store, Path) or not (cfg.store / "zarr.json").exists():
+        return cfg
+    _, settings = read_root_attributes(cfg.store)
+    stored = {"model": settings.model, "chunk_tokens": settings.chunking.get("chunk_tokens"),
+              "page_size": settings.page_size, "dtype": KV_DTYPE_OPTION.get(settings.kv_dtype)}
+    return replace(cfg, **{k: v for k, v in stored.items() if k not in given and v is not None})
+
+
 def scan_corpus(cfg: IndexConfig) -> CorpusScan:
     """Read the corpus once without the model: a bad input raises CorpusError now (unless
     cfg.skip_bad; `index` reports those when it reads the corpus again)."""
@@ -54,6 +73,9 @@ def check_index(cfg: IndexConfig, scan: CorpusScan) -> SizeEstimate | None:
     errors), and a store the disk cannot hold (ResourceError, unless cfg.force); returns the
     size estimate (None for a store on object storage: no local disk to fill)."""
     worker_devices(cfg.device, cfg.workers)
+    if cfg.sync and not isinstance(cfg.store, Path):
+        raise click.BadParameter("is not supported on object storage yet (its manifest log records no removal)",
+                                 param_hint="'--sync'")
     if isinstance(cfg.store, Path) and not (cfg.store / "zarr.json").exists():
         where = _existing_ancestor(cfg.store)
         if not os.access(where, os.W_OK):  # says no on a read-only filesystem, even to root

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
 from lazyrag.errors import InputError
-from lazyrag.lines import text_lines
+from lazyrag.lines import surrogate_field, text_lines
 from lazyrag.config import ChunkOrder
 from lazyrag.serve.ordering import PopularFirst, shared_prefixes
 from lazyrag.store import ChunkInfo, Store, StoreError
@@ -82,6 +82,8 @@ def _parse_query(line: str, n: int) -> Query:
         raise ValueError(f'"id" must be a non-empty string, got {json.dumps(qid)[:40]}')
     if not isinstance(question, str) or not question.strip():
         raise ValueError('needs a non-empty "question"')
+    if key := surrogate_field(obj, ("id", "question", *_LIST_ITEMS)):
+        raise ValueError(f'"{key}" holds an unpaired surrogate escape (such as \\ud800): not valid Unicode')
     lists = {}
     for key, valid in _LIST_ITEMS.items():
         value = obj.get(key)
@@ -90,6 +92,8 @@ def _parse_query(line: str, n: int) -> Query:
         if value == [] and key != "answers":  # an empty list would silently mean "retrieve"
             raise ValueError(f'"{key}" is empty; leave it out to retrieve the top --top-k chunks')
         lists[key] = [str(v) for v in value] if value is not None else None
+    if lists["docs"] and lists["chunks"]:  # one would be ignored without a word
+        raise ValueError('gives both "docs" and "chunks"; keep one (docs: all their chunks; chunks: just those)')
     return Query(qid, question, n, **lists)
 
 
@@ -121,7 +125,7 @@ class ChunkResolver:
                 raise StoreError("the store holds no chunks to retrieve from; index a corpus first")
             from lazyrag.retrieve import Retriever  # bm25s loads only when a query needs it
 
-            self._retriever = Retriever(self.store)
+            self._retriever = Retriever.for_store(self.store)
         return resolve_chunks(self.store, q, self._retriever, self.top_k)
 
 

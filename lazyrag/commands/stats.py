@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
@@ -42,6 +43,8 @@ def _ms(d: dict, key: str) -> str:
 def render_stats(data: dict, console: Console) -> None:
     s = data["store"]
     t = Table(title="store", show_header=False, title_justify="left")
+    t.add_column("key")
+    t.add_column("value", overflow="fold")  # a long path folds onto more lines, never cut
     for label, value in [("path", data["path"]), ("model", s["model"]), ("fingerprint", s["fingerprint"][:16]),
                          ("documents", f"{s['documents']:,}"), ("chunks", f"{s['chunks']:,}"),
                          ("tokens", f"{s['tokens']:,}"), ("on disk", _gb(s["bytes"])), ("kv dtype", s["kv_dtype"]),
@@ -55,26 +58,39 @@ def render_stats(data: dict, console: Console) -> None:
         console.print("no answer runs yet")
 
 
+def table(title: str, columns: tuple[str, ...]) -> Table:
+    """A table without vertical rules, numbers right-aligned: at most seven short columns of
+    these fit an 80-column terminal whole (a bordered one of nine cut its cells)."""
+    t = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+    for col in columns:
+        t.add_column(col, justify="right", overflow="fold")
+    return t
+
+
 def runs_table(runs: list[dict], console: Console) -> None:
-    """Narrow tables (they must fit an 80-column terminal): speed and quality, the cache, and the
-    distance to full attention of the runs that were audited."""
-    t = Table(title="answer runs", title_justify="left")
-    for col in ("#", "mode", "queries", "hit ratio", "TTFT p50/p95 ms", "latency p50 ms", "tok/s", "accuracy", "F1"):
-        t.add_column(col, justify="right")
+    """Narrow tables (they must fit an 80-column terminal): speed and quality, latency, the cache
+    and its memory, and the distance to full attention of the runs that were audited."""
+    t = table("answer runs", ("#", "mode", "queries", "hit ratio", "tok/s", "accuracy", "F1"))
     for i, r in enumerate(runs, 1):
         q = r.get("quality", {})
         t.add_row(str(i), r["mode"], str(r["queries"]), f"{r['cache']['hit_ratio']:.1%}",
-                  f"{_ms(r['ttft_ms'], 'p50')} / {_ms(r['ttft_ms'], 'p95')}", _ms(r["latency_ms"], "p50"),
                   f"{r['tokens_per_s'] or 0:,.1f}", f"{q['accuracy']:.1%}" if q else "-", f"{q['f1']:.3f}" if q else "-")
     console.print(t)
-    t = Table(title="cache", title_justify="left")
-    for col in ("#", "lookups", "hits", "misses", "token hits", "evictions", "from disk", "to pool", "peak pages"):
-        t.add_column(col, justify="right")
+    t = table("latency (ms)", ("#", "TTFT p50", "TTFT p95", "latency p50", "latency p95"))
+    for i, r in enumerate(runs, 1):
+        t.add_row(str(i), _ms(r["ttft_ms"], "p50"), _ms(r["ttft_ms"], "p95"), _ms(r["latency_ms"], "p50"),
+                  _ms(r["latency_ms"], "p95"))
+    console.print(t)
+    t = table("cache", ("#", "lookups", "hits", "misses", "token hits", "evictions"))
     for i, r in enumerate(runs, 1):
         c = r["cache"]
         t.add_row(str(i), str(c["lookups"]), str(c["hits"]), str(c["misses"]), f"{c['token_hit_ratio']:.1%}",
-                  str(c["evictions"]), _gb(c["bytes_read"]), _gb(c["bytes_to_gpu"]),
-                  f"{c['peak_pages']}/{c['pool_pages']}")
+                  str(c["evictions"]))
+    console.print(t)
+    t = table("cache memory", ("#", "from disk", "to pool", "peak pages", "pool pages"))
+    for i, r in enumerate(runs, 1):
+        c = r["cache"]
+        t.add_row(str(i), _gb(c["bytes_read"]), _gb(c["bytes_to_gpu"]), f"{c['peak_pages']:,}", f"{c['pool_pages']:,}")
     console.print(t)
     if any(r["cache"].get("recomputed_tokens") or r["cache"].get("reused_tokens") for r in runs):
         recompute_table(runs, console)
@@ -90,9 +106,7 @@ def runs_table(runs: list[dict], console: Console) -> None:
 
 def recompute_table(runs: list[dict], console: Console) -> None:
     """Selective recompute per run: the chunk tokens recomputed, and those reused from the cache."""
-    t = Table(title="selective recompute", title_justify="left")
-    for col in ("#", "F", "policy", "order", "recomputed tokens", "reused tokens", "reuse"):
-        t.add_column(col, justify="right")
+    t = table("selective recompute", ("#", "F", "policy", "order", "recomputed", "reused", "reuse"))
     for i, r in enumerate(runs, 1):
         c, s = r["cache"], r.get("settings", {})
         done, reused = c.get("recomputed_tokens", 0), c.get("reused_tokens", 0)
@@ -104,9 +118,8 @@ def recompute_table(runs: list[dict], console: Console) -> None:
 
 def audit_table(runs: list[dict], console: Console) -> None:
     """The audited runs (`answer --audit N`, lazyrag/commands/audit.py): how far each mode is from full."""
-    t = Table(title="vs full attention (audit)", title_justify="left")
-    for col in ("#", "mode", "queries", "identical", "F1 to full", "KL nats/token", "top-1", "tokens"):
-        t.add_column(col, justify="right")
+    t = table("vs full attention (audit)", ("#", "mode", "queries", "identical", "F1 to full", "KL/token", "top-1",
+                                           "tokens"))
     for i, r in enumerate(runs, 1):
         if a := r.get("audit"):
             t.add_row(str(i), r["mode"], str(a["queries"]), f"{a['identical']:.1%}", f"{a['f1_to_full']:.3f}",

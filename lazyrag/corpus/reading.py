@@ -13,13 +13,14 @@ is set, in which case the message goes to ``report`` and reading continues.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from lazyrag.errors import InputError
-from lazyrag.lines import text_lines
+from lazyrag.lines import surrogate_field, text_lines
 
 CORPUS_SUFFIXES = (".txt", ".md", ".jsonl")
 
@@ -94,6 +95,10 @@ def read_corpus(
 
     for file in files:
         stats.files += 1
+        if not _utf8_name(file):
+            # its name could not become a document id, nor be stored or printed as it is
+            bad(f"{printable_path(file)}:1: the file name is not valid UTF-8; rename the file")
+            continue
         if file.suffix.lower() == ".jsonl":
             docs = _read_jsonl(file, bad)
         else:
@@ -112,6 +117,19 @@ def read_corpus(
             seen[doc.id] = doc.source
             stats.documents += 1
             yield doc
+
+
+def _utf8_name(path: Path) -> bool:
+    try:
+        str(path).encode("utf-8")
+        return True
+    except UnicodeEncodeError:  # os.fsdecode made surrogates of the bytes that are not UTF-8
+        return False
+
+
+def printable_path(path: Path) -> str:
+    """``path`` with the bytes of its name that are not UTF-8 written as escapes (``\\xff``)."""
+    return os.fsencode(path).decode("utf-8", "backslashreplace")
 
 
 def _is_corpus_file(p: Path, root: Path) -> bool:
@@ -183,4 +201,6 @@ def _check_record(obj: Any) -> str | None:
     title = obj.get("title")
     if title is not None and not isinstance(title, str):
         return f'"title" must be a string, got {type(title).__name__}'
+    if key := surrogate_field(obj, ("id", "text", "title")):
+        return f'"{key}" holds an unpaired surrogate escape (such as \\ud800): not valid Unicode'
     return None

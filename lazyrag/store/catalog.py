@@ -110,6 +110,16 @@ def _info(row: tuple) -> ChunkInfo:
     return ChunkInfo(cid, doc, ordinal, token_ids_from_bytes(blob), text, seg, off, length, padded, crc)
 
 
+def _first_of_each(rows: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    seen: set[str] = set()
+    first = []
+    for chunk_id, text in rows:
+        if chunk_id not in seen:
+            seen.add(chunk_id)
+            first.append((chunk_id, text))
+    return first
+
+
 def _publish(db: sqlite3.Connection, doc_ids: Iterable[str]) -> None:
     """Make the pending version of each of ``doc_ids`` its published chunk list, where all its
     chunks are stored."""
@@ -175,6 +185,21 @@ def _connect_frozen(file: Path) -> sqlite3.Connection:
     return db
 
 
+# Tables every format's catalog has; the schema script adds only what a newer format added.
+_CORE_TABLES = {"meta", "segments", "chunks"}
+
+
+def _require_tables(db: sqlite3.Connection, file: Path) -> None:
+    """Refuse a catalog without the core tables (an emptied or foreign file) before anything writes
+    to it: bringing the schema up to date would turn it into an empty catalog and orphan the data."""
+    names = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    missing = _CORE_TABLES - names
+    if missing:
+        raise StoreError(f"{file} is not a lazyrag catalog (no {', '.join(sorted(missing))} table"
+                         f"{'s' if len(missing) > 1 else ''}: emptied or replaced); the store cannot be used as "
+                         "it is: rebuild it with `lazyrag index CORPUS` into a new --store")
+
+
 class Catalog:
     """One store's catalog file, shared by the threads of one process (one connection, one lock)."""
 
@@ -185,8 +210,14 @@ class Catalog:
         self._lock = threading.RLock()
         if frozen:
             self._db = _connect_frozen(file)
+            _require_tables(self._db, file)
             return
         self._db = sqlite3.connect(file, check_same_thread=False, isolation_level=None, timeout=30)
+        try:
+            _require_tables(self._db, file)
+        except BaseException:
+            self._db.close()
+            raise
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")
         if writable:
@@ -248,6 +279,19 @@ class Catalog:
         becomes a pending version, published now if its chunks are all stored."""
         with self.transaction() as db:
             record_documents(db, docs, timestamp())
+
+    def document_ids(self) -> set[str]:
+        """Every document the catalog lists: published, or with a version still pending."""
+        with self.reading() as db:
+            return {r[0] for r in db.execute("SELECT doc_id FROM documents UNION SELECT doc_id FROM pending_chunks")}
+
+    def remove_documents(self, doc_ids: Iterable[str]) -> None:
+        """Take documents out of readers' view, with any pending version, in one transaction; the
+        chunks only they listed become unreferenced, for compaction to reclaim."""
+        with self.transaction() as db:
+            for table in ("documents", "doc_chunks", "pending_chunks"):
+                db.executemany(f"DELETE FROM {table} WHERE doc_id = ?", [(d,) for d in doc_ids])
+            db.execute("INSERT OR REPLACE INTO meta VALUES ('updated', ?)", (timestamp(),))
 
     def changed_documents(self, docs: Mapping[str, Sequence[str]]) -> dict[str, Sequence[str]]:
         """Those of ``docs`` that :meth:`put_documents` would change: a list other than the published one,
@@ -326,6 +370,15 @@ class Catalog:
             ).fetchall()
         for r in rows:
             yield _info(r)
+
+    def retrieval_chunks(self) -> list[tuple[str, str]]:
+        """(chunk id, text) of each chunk of published documents, once, ordered by the first
+        (document id, ordinal) that lists it: an order that depends only on the documents, not
+        on when or in which segments their chunks were stored."""
+        with self.reading() as db:
+            rows = db.execute("SELECT d.chunk_id, c.text FROM doc_chunks d JOIN chunks c ON c.chunk_id = d.chunk_id "
+                              "ORDER BY d.doc_id, d.ordinal").fetchall()
+        return _first_of_each(rows)
 
     def live_chunks(self, segment: str) -> list[ChunkInfo]:
         """The chunks of ``segment`` some document version references, by offset."""

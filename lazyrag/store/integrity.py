@@ -103,10 +103,12 @@ class CheckReport:
     orphan_segments: list[str] = field(default_factory=list)
     unrecognised: list[str] = field(default_factory=list)  # left alone; not counted as damage
     unreferenced_chunks: int = 0  # dead chunks, reclaimed by `lazyrag compact`; not damage
+    retrieval_index: str | None = None  # why the saved BM25 index is damaged (lazyrag/retrieve.py)
 
     @property
     def ok(self) -> bool:
-        return not (self.corrupt or self.missing or self.dangling or self.missing_segments or self.orphan_segments)
+        return not (self.corrupt or self.missing or self.dangling or self.missing_segments or self.orphan_segments
+                    or self.retrieval_index)
 
     @property
     def damaged_chunk_ids(self) -> set[str]:
@@ -117,6 +119,14 @@ class CheckReport:
         return {"ok": self.ok, **asdict(self)}
 
 
+def unreadable_segment_chunks(report: CheckReport, in_use: dict[str, list[str]]) -> list[dict]:
+    """A row for each chunk of a missing segment not reported yet: a segment replaced by a symbolic
+    link may still read through it, but it is not the store's, so its chunks are encoded again."""
+    reported = report.damaged_chunk_ids
+    return [{"chunk": c, "segment": name, "reason": f"segment {name} is missing (or not the store's own directory)"}
+            for name in report.missing_segments for c in in_use[name] if c not in reported]
+
+
 def check_store(catalog: Catalog, reader: SegmentReader, scan: Callable[[set[str]], SegmentsScan],
                 verify: bool = True) -> CheckReport:
     """Compare the catalog with the disk and, with ``verify``, read every stored chunk back
@@ -125,10 +135,10 @@ def check_store(catalog: Catalog, reader: SegmentReader, scan: Callable[[set[str
     report = CheckReport()
     segments = catalog.segments()
     report.segments = len(segments)
-    in_use = set()
+    in_use: dict[str, list[str]] = {}  # segment -> the chunks stored in it
     for chunk in catalog.iter_chunks(everything=True):
         report.chunks += 1
-        in_use.add(chunk.segment)
+        in_use.setdefault(chunk.segment, []).append(chunk.chunk_id)
         try:
             if verify:
                 reader.read_kv(chunk)
@@ -141,6 +151,7 @@ def check_store(catalog: Catalog, reader: SegmentReader, scan: Callable[[set[str
     found = scan({s.name for s in segments})
     # a segment whose chunks were all encoded again elsewhere holds nothing: compaction forgets it
     report.missing_segments = [name for name in found.missing if name in in_use]
+    report.missing += unreadable_segment_chunks(report, in_use)
     report.orphan_segments = [str(p) for p in found.orphans]
     report.unrecognised = found.unrecognised
     report.unreferenced_chunks = catalog.counts()["unreferenced_chunks"]

@@ -57,6 +57,9 @@ class Storage(Protocol):
     def put_documents(self, docs: Mapping[str, Sequence[str]]) -> None:
         """Record documents' chunk lists, durably (:meth:`Catalog.put_documents`)."""
 
+    def remove_documents(self, doc_ids: Sequence[str]) -> None:
+        """Take documents out of readers' view (:meth:`Catalog.remove_documents`)."""
+
     def scan_segments(self, store_id: str | None, known: set[str]) -> SegmentsScan:
         """The segments there that the catalog does not name, and those it names that are not there."""
 
@@ -93,6 +96,9 @@ class LocalStorage:
 
     def put_documents(self, docs: Mapping[str, Sequence[str]]) -> None:
         self.catalog.put_documents(docs)
+
+    def remove_documents(self, doc_ids: Sequence[str]) -> None:
+        self.catalog.remove_documents(doc_ids)
 
     def scan_segments(self, store_id: str | None, known: set[str]) -> SegmentsScan:
         return scan_segments(self.location, store_id, known)
@@ -169,6 +175,11 @@ class ObjectStorage:
     def put_documents(self, docs: Mapping[str, Sequence[str]]) -> None:
         if changed := self.catalog.changed_documents(docs):  # a run that changes nothing adds no manifest
             self._log.commit(documents_manifest(changed))
+
+    def remove_documents(self, doc_ids: Sequence[str]) -> None:
+        # the manifest log has no removal record that every reader replays yet
+        raise StoreError(f"{self.location}: index --sync is not supported on object storage; index into a local "
+                         "store, or leave --sync out")
 
     def scan_segments(self, store_id: str | None, known: set[str]) -> SegmentsScan:
         present = self._objects.folders(f"{SEGMENTS}/")

@@ -171,6 +171,15 @@ class Store:
         self._storage.put_documents(
             {d: [c.chunk_id for c in sorted(cs, key=lambda c: c.ordinal)] for d, cs in docs.items()})
 
+    def remove_missing_documents(self, keep: Collection[str]) -> list[str]:
+        """Take every document not in ``keep`` out of readers' view (``index --sync``); their chunks
+        stay on disk, unreferenced, until :meth:`compact`. Returns the removed ids, sorted."""
+        self._check_writable()
+        gone = sorted(self._catalog.document_ids() - set(keep))
+        if gone:
+            self._storage.remove_documents(gone)
+        return gone
+
     def append(self, chunks: Sequence[NewChunk], kv: np.ndarray, replace: Collection[str] = ()) -> None:
         """Store the KV of ``chunks`` (laid out as :func:`write_chunks` takes it): one new segment,
         durable, then one catalog commit (:meth:`commit`). Chunks already in the store (or
@@ -239,6 +248,11 @@ class Store:
     def iter_chunks(self) -> Iterator[ChunkInfo]:
         """The chunks of the documents readers can see, in storage order (segment, then offset)."""
         return self._catalog.iter_chunks()
+
+    def retrieval_chunks(self) -> list[tuple[str, str]]:
+        """(chunk id, text) of the chunks readers can see, each once, by document id then chunk
+        index (Catalog.retrieval_chunks): BM25's corpus, in an order the build does not change."""
+        return self._catalog.retrieval_chunks()
 
     @property
     def num_chunks(self) -> int:

@@ -77,3 +77,13 @@ def test_a_byte_order_mark_before_the_first_line_is_not_an_error(tmp_path):
     path.write_bytes(b'\xef\xbb\xbf{"id": "a", "question": "Why?"}\n')
     notes: list[str] = []
     assert [q.id for q in read_queries(path, notes.append)] == ["a"] and notes == []
+
+
+def test_a_query_with_both_docs_and_chunks_is_a_bad_line_not_one_of_them_ignored(tmp_path):
+    path = tmp_path / "q.jsonl"
+    path.write_text(json.dumps({"id": "ok", "question": "Why?", "docs": ["a"]}) + "\n"
+                    + json.dumps({"id": "x", "question": "Why?", "docs": ["a"], "chunks": ["c1"]}) + "\n")
+    queries, reports = read(path)
+    assert [q.id for q in queries] == ["ok"]
+    assert len(reports) == 1 and reports[0].startswith(f"{path}:2: ")
+    assert '"docs" and "chunks"' in reports[0]
