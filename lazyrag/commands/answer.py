@@ -25,6 +25,7 @@ from lazyrag.commands.queries import ChunkResolver, Query, in_prompt_order, read
 from lazyrag.config import AnswerConfig
 from lazyrag.eval import scoring
 from lazyrag.serve import Request, Sequence
+from lazyrag.serve import faults
 from lazyrag.store import Store, StoreError
 from lazyrag.store.format import timestamp
 
@@ -175,7 +176,7 @@ def _answer_with_one_engine(run: AnswerRun, todo: list[Query]) -> None:
     completed = False
     try:
         with run.stop:
-            qe.run(requests(), finish, on_error=lambda seq, exc: run.fail(seq.meta["query"], str(exc)))
+            qe.run(requests(), finish, on_error=lambda seq, exc: run.fail(seq.meta["query"], faults.reason(exc)))
         completed = True
     finally:
         qe.close()  # before the audit builds its engines: one pool at a time

@@ -17,8 +17,9 @@ from lazyrag.eval import scoring
 from lazyrag.models import LoadedModel, load_model
 from lazyrag.models.prompt import PromptFormat
 from lazyrag.serve import Engine, Recompute, Request, Sampling, Sequence
+from lazyrag.serve import faults
 from lazyrag.serve.paged import OutOfPages, pages_for
-from lazyrag.store import ChunkInfo, ChunkReadError, Store, StoreMismatch
+from lazyrag.store import ChunkInfo, Store, StoreMismatch
 
 
 class RequestRejected(Exception):
@@ -64,7 +65,11 @@ class QueryEngine:
         which the audit compares against). RequestRejected when its prompt is over the length
         limit; ResourceError when it could not run even alone in the page pool."""
         cfg, mode = self.cfg, self.engine.mode
-        request = Request(q.id, chunks, self.fmt.question_ids(q.question), cfg.max_new_tokens,
+        try:
+            question_ids = self.fmt.question_ids(q.question)
+        except Exception as exc:  # the tokenizer's own errors concern this question only
+            raise RequestRejected(f"the tokenizer cannot encode the question ({faults.reason(exc)})") from None
+        request = Request(q.id, chunks, question_ids, cfg.max_new_tokens,
                           arrival=time.perf_counter(), meta={"answers": q.answers, "query": q,
                                                              "given_chunks": given or chunks})
         tokens = mode.own_start(request) + len(mode.prompt_ids(request))
@@ -78,9 +83,10 @@ class QueryEngine:
         return request
 
     def run(self, requests: Iterable[Request], on_finish: Callable[[Sequence], None],
-            on_error: Callable[[Sequence, ChunkReadError], None]) -> None:
-        """Answer the requests (Engine.run); a chunk that cannot be read fails only the queries
-        that need it, each handed to `on_error`."""
+            on_error: Callable[[Sequence, Exception], None]) -> None:
+        """Answer the requests (Engine.run); an error that concerns one request (a chunk that
+        cannot be read, out of memory: lazyrag/serve/faults.py) fails only the queries it
+        concerns, each handed to `on_error`."""
         self.engine.run(requests, on_finish, lookahead=self.cfg.prefetch, on_error=on_error)
 
     def row(self, seq: Sequence) -> dict:

@@ -11,6 +11,7 @@ import torch
 
 from lazyrag import kernels
 from lazyrag.models import LoadedModel
+from lazyrag.serve import faults
 from lazyrag.serve.cuda_graphs import DecodeGraphs
 from lazyrag.serve.modes import ChunkCopy
 from lazyrag.serve.paged import DELTA, LENGTH, PAGE, START, Feed, PagedAttention, PagePool, StepInputs
@@ -144,6 +145,7 @@ class Runner:
     def prefill(self, seqs: list[Sequence]) -> torch.Tensor:
         """Feed the placed sequences' prompts (recomputed pages first); the logits of each one's
         last token."""
+        faults.injected([s.id for s in seqs], "prefill")  # the test hook: a no-op unless its variable is set
         feeds, last, fed = [], [], 0
         for s in seqs:
             feeds += (mine := prompt_feeds(s, s.placement.prompt_ids))
@@ -157,6 +159,7 @@ class Runner:
     def decode(self, seqs: list[Sequence], tokens: torch.Tensor | None = None) -> torch.Tensor:
         """Feed each sequence's last generated token, or the ids `tokens` (on the device, one a
         sequence: sampled, not yet read back); the logits of the next."""
+        faults.injected([s.id for s in seqs], "decode")  # the test hook: a no-op unless its variable is set
         feeds = [s.feed([s.generated[-1] if tokens is None else 0]) for s in seqs]
         logits = self.graphs.run(feeds, tokens) if self.graphs else None
         if logits is None:
