@@ -310,6 +310,10 @@ def answer(
         if result.record_file:
             out.print(f"the store is not writable: this run's record is in {result.record_file}")
     if result.nothing_answered:
+        if result.too_large:  # resources, not input: the same queries fit with more memory
+            from lazyrag.errors import ResourceError
+
+            raise ResourceError(f"no query was answered: {result.too_large}")
         raise typer.Exit(3)  # bad input: nothing could be answered
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
 
-from lazyrag.commands.answer_engine import QueryEngine, RequestRejected
+from lazyrag.commands.answer_engine import QueryEngine, RequestRejected, RequestTooLarge
 from lazyrag.commands.answers_file import AnswersFile, run_record_path
 from lazyrag.commands.audit import audit_run
 from lazyrag.commands.queries import ChunkResolver, Query, in_prompt_order, read_queries
@@ -45,6 +45,7 @@ class RunSummary:
     errors: Path | None = None
     record_file: Path | None = None  # where the record went when the store could not take it
     queries_in_file: int = 0
+    too_large: str | None = None  # why the first query refused for resources was (RequestTooLarge)
 
     @property
     def answered(self) -> int:
@@ -164,6 +165,8 @@ def _answer_with_one_engine(run: AnswerRun, todo: list[Query]) -> None:
                 yield qe.request(q, chunks, given)
             except (StoreError, RequestRejected) as exc:
                 run.fail(q, str(exc))
+                if isinstance(exc, RequestTooLarge) and run.summary.too_large is None:
+                    run.summary.too_large = str(exc)
 
     def finish(seq: Sequence) -> None:
         if cfg.audit:
