@@ -14,10 +14,12 @@ import sqlite3
 import threading
 import time
 import uuid
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
 
+from lazyrag.commands import answer_checks as checks
 from lazyrag.commands.answer_engine import QueryEngine, RequestRejected, RequestTooLarge
 from lazyrag.commands.answers_file import AnswersFile, run_record_path
 from lazyrag.commands.audit import audit_run
@@ -62,13 +64,17 @@ def answer_file(cfg: AnswerConfig, report: Callable[[str], None] = print, progre
     checked before the model loads; a file with nothing left to answer never loads it. With
     cfg.data_parallel > 1 or cfg.ray_address, engine actors on Ray answer (lazyrag/parallel/)."""
     parallel = cfg.data_parallel > 1 or cfg.ray_address is not None
+    checks.check_options(cfg)
+    checks.check_out(cfg)
+    checks.check_pool_memory(cfg)
     if parallel:
         from lazyrag.parallel.cluster import check_options
 
         check_options(cfg)
+    checks.check_queries(cfg)  # before --out is created
     # the answers file is locked before the slow model load, so a clash fails fast; held until
     # the run is recorded
-    with Store.open(cfg.store) as store, AnswersFile(cfg.out, report) as answers:
+    with Store.open(cfg.store) as store, checked(cfg, store), AnswersFile(cfg.out, report) as answers:
         bad: list[str] = []
 
         def note_bad(msg: str) -> None:
@@ -89,6 +95,13 @@ def answer_file(cfg: AnswerConfig, report: Callable[[str], None] = print, progre
                 _answer_with_one_engine(run, todo)
         summary.failed = answers.failed
         return summary
+
+
+@contextmanager
+def checked(cfg: AnswerConfig, store: Store) -> Iterator[None]:
+    """The options checked against the store's model, before --out is opened."""
+    checks.check_against_store(cfg, store)
+    yield
 
 
 class AnswerRun:
@@ -207,12 +220,16 @@ class RecordSink:
                 self.file = run_record_path(self.out)
                 reason = exc if isinstance(exc, StoreError) else f"{self.store.path}: {exc}"
                 self.report(f"cannot write the run log ({reason}); the run's record goes to {self.file}")
+        tmp = self.file.with_name(self.file.name + ".tmp")
         try:
-            tmp = self.file.with_name(self.file.name + ".tmp")
             tmp.write_text(json.dumps(record, sort_keys=True) + "\n")
             tmp.replace(self.file)
         except OSError as exc:  # the answers are safe; losing the record must not hide why the run ended
             self.report(f"could not write the run's record to {self.file} ({exc.strerror})")
+            try:
+                tmp.unlink(missing_ok=True)  # no torn or empty .tmp left behind
+            except OSError:
+                pass
 
 
 class GracefulStop:

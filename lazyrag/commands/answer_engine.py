@@ -12,6 +12,7 @@ from typing import Callable, Iterable
 from lazyrag.commands.audit import answer_text
 from lazyrag.commands.queries import Query
 from lazyrag.config import AnswerConfig
+from lazyrag.errors import InputError
 from lazyrag.eval import scoring
 from lazyrag.models import LoadedModel, load_model
 from lazyrag.models.prompt import PromptFormat
@@ -54,6 +55,9 @@ class QueryEngine:
         self.limit = self.context - cfg.max_new_tokens
         if cfg.max_prompt_tokens is not None:
             self.limit = min(self.limit, cfg.max_prompt_tokens)
+        if self.limit < 1:  # answer_checks says so before the load where it can read the model's config
+            raise InputError(f"--max-new-tokens {cfg.max_new_tokens:,} leaves no room for a prompt in the model's "
+                             f"context of {self.context:,} tokens; ask for fewer")
         try:
             self.engine = _engine(self.loaded, store, cfg, cfg.cache_gb * 2**30, cfg.cuda_graphs)
         except OutOfPages:
