@@ -133,3 +133,28 @@ def test_sigterm_during_index_is_exit_130_with_a_message(tmp_path):
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 130, stderr
     assert stderr.strip().splitlines()[-1] == "error: interrupted; run the same command again to resume"
+
+
+def test_a_run_record_that_cannot_be_written_beside_out_leaves_no_tmp_file(store, queries, tmp_path, monkeypatch):
+    import errno
+    from pathlib import Path
+
+    from lazyrag.store import Store
+
+    def read_only(self, run_id, record):
+        raise sqlite3.OperationalError("attempt to write a readonly database")
+
+    real_write = Path.write_text
+
+    def disk_full(self, text, *args, **kwargs):
+        if self.name.endswith(".run.json.tmp"):
+            real_write(self, "")  # created, then nothing fits
+            raise OSError(errno.ENOSPC, "No space left on device", str(self))
+        return real_write(self, text, *args, **kwargs)
+
+    monkeypatch.setattr(Store, "save_run", read_only)
+    monkeypatch.setattr(Path, "write_text", disk_full)
+    res = answer(queries, store, tmp_path / "a.jsonl", "-q")
+    assert res.exit_code == 0, res.output
+    assert "could not write the run's record" in res.stderr
+    assert not list(tmp_path.glob("*.tmp")) and not (tmp_path / "a.run.json").exists()
