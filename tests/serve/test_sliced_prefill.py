@@ -73,3 +73,18 @@ def test_a_prompt_fed_in_slices_gives_the_logits_of_the_prompt_fed_whole(paged_s
             want, got = (torch.cat(list(x)) if isinstance(x, list) else x for x in (want, got))
             assert want.shape == got.shape
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["lazy", "block", "full"])
+def test_on_a_gpu_the_kernels_give_the_same_logits_in_slices(paged_store, mode):
+    from lazyrag.models import load_model
+
+    cuda = load_model("random:tiny", device="cuda", dtype="fp32")
+    recompute = Recompute() if mode == "full" else Recompute(0.5, "attention", layer=1)
+    whole = run(cuda, paged_store, mode, recompute, 1 << 20)
+    for size in (5, 16):
+        in_slices = run(cuda, paged_store, mode, recompute, size)
+        for want, got in zip(whole, in_slices):
+            want, got = (torch.cat(list(x)) if isinstance(x, list) else x for x in (want, got))
+            torch.testing.assert_close(got.float().cpu(), want.float().cpu(), rtol=1e-3, atol=1e-3)
