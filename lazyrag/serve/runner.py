@@ -52,6 +52,15 @@ def sliced(feeds: list[Feed], most: int) -> Iterator[list[tuple[int, Feed]]]:
     is in the pool or in its own step, whose every layer writes its K/V before attending."""
     step, room = [], most
     for i, f in enumerate(feeds):
+        if not f.tokens:
+            continue  # nothing to feed (and no last token to take logits of)
+        if len(f.tokens) <= room:  # whole: no copy (a prefill with recompute has thousands of feeds)
+            step.append((i, f))
+            room -= len(f.tokens)
+            if room == 0:
+                yield step
+                step, room = [], most
+            continue
         at = 0
         while at < len(f.tokens):
             n = min(room, len(f.tokens) - at)
