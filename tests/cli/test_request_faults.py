@@ -60,3 +60,19 @@ def test_a_request_refused_for_out_of_memory_is_retried_by_the_next_run(store, t
     assert "q2" not in first and [f["id"] for f in failed] == ["q2"]
     again, failed = answers(store, tmp_path, "a", monkeypatch, None)
     assert sorted(again) == ["q1", "q2", "q3", "q4"] and failed == []
+
+
+def test_a_question_the_tokenizer_cannot_encode_fails_that_query_only(store, tmp_path, monkeypatch):
+    from lazyrag.models.prompt import PromptFormat
+
+    encode = PromptFormat.question_ids
+
+    def fragile(self, question):
+        if "piano" in question:
+            raise ValueError("the tokenizer broke")
+        return encode(self, question)
+
+    monkeypatch.setattr(PromptFormat, "question_ids", fragile)
+    got, failed = answers(store, tmp_path, "a", monkeypatch, None)
+    assert sorted(got) == ["q1", "q2", "q3"]
+    assert [(f["id"], f["line"]) for f in failed] == [("q4", 4)] and "tokenizer" in failed[0]["error"]
