@@ -227,16 +227,15 @@ class Engine:
     def _forget_created(self, batch: list[Sequence]) -> None:
         """The batch's step failed: the recomputed pages it was to compute hold nothing, so they
         leave the cache now. Another request of the batch may have pinned them (it reads what
-        the first computes): it lets go too, so that nobody keeps them findable."""
-        created = {id(e): e for seq in batch for e in seq.placement.created}
+        the first computes): it lets go too, and the last pin dropped evicts them."""
+        created = {id(e) for seq in batch for e in seq.placement.created}
+        for seq in batch:
+            mine = {id(e) for e in seq.placement.created}
+            for entry in [e for e in seq.placement.recomputed if id(e) in created and id(e) not in mine]:
+                seq.placement.recomputed.remove(entry)
+                self.cache.drop_recomputed(entry)
         for seq in batch:
             seq.placement.forget_created(self.cache)
-            for entry in [e for e in seq.placement.recomputed if id(e) in created]:
-                seq.placement.recomputed.remove(entry)
-                self.cache.release(entry)
-        for entry in created.values():
-            if entry.pins == 0 and self.cache.peek_recomputed(entry.key) is entry:
-                self.cache.evict(entry.key)
 
     def _check_tokens(self, seq: Sequence) -> None:
         """BadTokens for a request whose prompt or chunks hold ids the model cannot embed."""
