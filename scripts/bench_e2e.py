@@ -99,7 +99,7 @@ def run(engine_args: dict, loaded, store, mode: str, prompts, questions, cache_g
     document order, as `answer --chunk-order` takes it."""
     from lazyrag.eval import scoring as metrics
     from lazyrag.serve import Engine, Request
-    from lazyrag.serve.ordering import PopularFirst
+    from lazyrag.serve.ordering import PopularFirst, shared_prefixes
 
     engine = Engine(loaded, store, mode, cache_gb * 2**30, batch_size, stop_at_eos=False, **engine_args)
     chunks = {d: store.doc_chunks(d) for d in {d for p in prompts for d in p}}
@@ -110,9 +110,11 @@ def run(engine_args: dict, loaded, store, mode: str, prompts, questions, cache_g
     if order == "popular":
         popular = PopularFirst(given)
         given = [popular.order(g) for g in given]
+    shared = shared_prefixes(given, engine.mode.recompute.whole_prefix_uses if engine.mode.reuses_recompute else None)
 
     def requests(t0: float) -> list:
-        return [Request(f"r{i}", g, fmt_q[i], NEW_TOKENS, arrival=t0 + offsets[i]) for i, g in enumerate(given)]
+        return [Request(f"r{i}", g, fmt_q[i], NEW_TOKENS, arrival=t0 + offsets[i], shared_prefix=shared[i])
+                for i, g in enumerate(given)]
 
     if warm:
         engine.run(requests(0.0), lambda r: None, lookahead=64)

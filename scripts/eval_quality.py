@@ -33,7 +33,7 @@ import random
 import shlex
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -52,7 +52,7 @@ from lazyrag.kernels.rope import rope
 from lazyrag.models import LoadedModel, load_model
 from lazyrag.models.prompt import PromptFormat
 from lazyrag.serve import Engine, Recompute, Request
-from lazyrag.serve.ordering import PopularFirst
+from lazyrag.serve.ordering import PopularFirst, shared_prefixes
 from lazyrag.store import Store
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -100,11 +100,14 @@ class Config:
                       recompute=recompute, **extra)
 
     def prompts(self, requests: list[Request]) -> list[Request]:
-        """The requests with their chunks in this configuration's order (counted over the split)."""
-        if ChunkOrder(self.order) is ChunkOrder.GIVEN:
-            return requests
-        popular = PopularFirst(r.chunks for r in requests)
-        return [Request(r.id, popular.order(r.chunks), r.question_ids, r.max_new_tokens) for r in requests]
+        """The requests as answer builds them in this configuration: chunks in its order and
+        shared prefixes, both counted over the split."""
+        if ChunkOrder(self.order) is ChunkOrder.POPULAR:
+            popular = PopularFirst(r.chunks for r in requests)
+            requests = [Request(r.id, popular.order(r.chunks), r.question_ids, r.max_new_tokens) for r in requests]
+        uses = Recompute(self.fraction, self.policy, reuse=self.reuse).whole_prefix_uses if self.mode == "lazy" else None
+        shared = shared_prefixes([r.chunks for r in requests], uses)
+        return [replace(r, shared_prefix=n) for r, n in zip(requests, shared)]
 
 
 FULL = Config(Mode.FULL.value)

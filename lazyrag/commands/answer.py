@@ -173,9 +173,10 @@ def _answer_with_one_engine(run: AnswerRun, todo: list[Query]) -> None:
                 run.fail(q, str(exc))
 
     def requests() -> Iterator[Request]:
-        for q, chunks, given in in_prompt_order(resolved(), cfg.prompt_order):
+        uses = qe.engine.mode.recompute.whole_prefix_uses if qe.engine.mode.reuses_recompute else None
+        for q, chunks, given, shared in in_prompt_order(resolved(), cfg.prompt_order, uses):
             try:
-                yield qe.request(q, chunks, given)
+                yield qe.request(q, chunks, given, shared)
             except (StoreError, RequestRejected) as exc:
                 run.fail(q, str(exc))
                 if isinstance(exc, RequestTooLarge) and run.summary.too_large is None:

@@ -69,10 +69,12 @@ class QueryEngine:
                                   False)
         self.capacity = self.engine.cache.available_pages()  # what one request may use: the pool less the preamble
 
-    def request(self, q: Query, chunks: list[ChunkInfo], given: list[ChunkInfo] | None = None) -> Request:
+    def request(self, q: Query, chunks: list[ChunkInfo], given: list[ChunkInfo] | None = None,
+                shared_prefix: int = 0) -> Request:
         """The query's request over `chunks` (`given`: the same chunks in the order the query gave,
-        which the audit compares against). RequestRejected when its prompt is over the length
-        limit; RequestTooLarge when it could not run even alone in the page pool or the memory free."""
+        which the audit compares against; shared_prefix: Request.shared_prefix). RequestRejected
+        when its prompt is over the length limit; RequestTooLarge when it could not run even alone
+        in the page pool or the memory free."""
         cfg, mode = self.cfg, self.engine.mode
         try:
             question_ids = self.fmt.question_ids(q.question)
@@ -80,7 +82,8 @@ class QueryEngine:
             raise RequestRejected(f"the tokenizer cannot encode the question ({faults.reason(exc)})") from None
         request = Request(q.id, chunks, question_ids, cfg.max_new_tokens,
                           arrival=time.perf_counter(), meta={"answers": q.answers, "query": q,
-                                                             "given_chunks": given or chunks})
+                                                             "given_chunks": given or chunks},
+                          shared_prefix=shared_prefix)
         tokens = mode.own_start(request) + len(mode.prompt_ids(request))
         if tokens > self.limit:
             raise RequestRejected(

@@ -14,7 +14,7 @@ from typing import Callable, Iterable, Iterator
 from lazyrag.errors import InputError
 from lazyrag.lines import text_lines
 from lazyrag.config import ChunkOrder
-from lazyrag.serve.ordering import PopularFirst
+from lazyrag.serve.ordering import PopularFirst, shared_prefixes
 from lazyrag.store import ChunkInfo, Store, StoreError
 
 
@@ -125,13 +125,17 @@ class ChunkResolver:
         return resolve_chunks(self.store, q, self._retriever, self.top_k)
 
 
-def in_prompt_order(resolved: Iterable[tuple[Query, list[ChunkInfo]]],
-                    order: str) -> Iterator[tuple[Query, list[ChunkInfo], list[ChunkInfo]]]:
+def in_prompt_order(resolved: Iterable[tuple[Query, list[ChunkInfo]]], order: str,
+                    whole_prefix_uses: int | None = None) -> Iterator[tuple[Query, list[ChunkInfo], list[ChunkInfo], int]]:
     """Each resolved query with its chunks in the order its prompt takes them (--chunk-order,
-    lazyrag/serve/ordering.py) and in the order given. `popular` counts over every query first."""
-    if ChunkOrder(order) is ChunkOrder.GIVEN:
-        yield from ((q, chunks, chunks) for q, chunks in resolved)
+    lazyrag/serve/ordering.py), in the order given, and its shared prefix: how many leading
+    chunks at least `whole_prefix_uses` of the prompts start with (None: 0). Either count needs
+    every query first."""
+    if ChunkOrder(order) is ChunkOrder.GIVEN and whole_prefix_uses is None:
+        yield from ((q, chunks, chunks, 0) for q, chunks in resolved)
         return
     resolved = list(resolved)
-    popular = PopularFirst(chunks for _, chunks in resolved)
-    yield from ((q, popular.order(chunks), chunks) for q, chunks in resolved)
+    popular = PopularFirst(chunks for _, chunks in resolved) if ChunkOrder(order) is ChunkOrder.POPULAR else None
+    prompts = [popular.order(chunks) if popular else chunks for _, chunks in resolved]
+    shared = shared_prefixes(prompts, whole_prefix_uses)
+    yield from ((q, chunks, given, n) for (q, given), chunks, n in zip(resolved, prompts, shared))

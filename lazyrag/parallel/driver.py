@@ -83,7 +83,7 @@ def _resolve(run: AnswerRun, todo: list[Query]) -> dict[str, tuple[Query, list[s
             resolved.append((q, resolver.chunks(q)))
         except StoreError as exc:
             run.fail(q, str(exc))
-    return {q.id: (q, [c.chunk_id for c in chunks]) for q, chunks, _ in in_prompt_order(resolved, run.cfg.prompt_order)}
+    return {q.id: (q, [c.chunk_id for c in chunks]) for q, chunks, _, _ in in_prompt_order(resolved, run.cfg.prompt_order)}
 
 
 def _engine_config(cfg: AnswerConfig, placement: Placement) -> AnswerConfig:

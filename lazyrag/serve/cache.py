@@ -3,7 +3,7 @@
 A chunk is the unit of caching. It is pinned while any running request uses it;
 eviction takes the least recently used unpinned chunks. The pages selective recompute wrote for
 a chunk after a given run of leading chunks (lazyrag/serve/recompute.py) are entries of the same
-LRU, under their chain key, pinned and evicted the same way. The cache is the only thing
+LRU, one per choice of pages under that context, pinned and evicted the same way. The cache is the only thing
 that hands out and takes back pool pages (chunk pages, a request's own pages, block
 mode's private copies), so it can evict to make room. Moving bytes in (disk, host
 tier, prefetch) is the loader's job (lazyrag/serve/loader.py).
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import asdict, dataclass
+from typing import Iterable
 
 from lazyrag.serve.loader import LoadReport, Loader
 from lazyrag.serve.paged import OutOfPages, PagePool
@@ -74,13 +75,18 @@ class Resident:
 
 @dataclass
 class Recomputed:
-    """The pages selective recompute wrote for one chunk after one run of leading chunks:
-    `selection` names which of the chunk's pages they replace, in order (it may be empty)."""
-    key: str
+    """The pages selective recompute wrote for one chunk after one run of leading chunks (its
+    `context`): `selection` names which of the chunk's pages they replace, in order (it may be
+    empty)."""
+    context: str
     selection: tuple[int, ...]
     pages: list[int]
     tokens: int = 0  # the chunk tokens they hold
     pins: int = 0
+
+    @property
+    def key(self) -> str:
+        return f"{self.context}:{','.join(map(str, self.selection))}"
 
 
 class ChunkCache:
@@ -92,6 +98,7 @@ class ChunkCache:
         self.pool, self.loader = pool, loader
         self._resident: OrderedDict[str, Resident | Recomputed] = OrderedDict()  # LRU order: oldest first
         self._empty: OrderedDict[str, None] = OrderedDict()  # keys of Recomputed entries without pages
+        self._choices: dict[str, list[str]] = {}  # a context -> keys of its Recomputed entries, last used last
         self.counters = CacheCounters(pool_pages=pool.num_pages, page_bytes=pool.bytes_per_page)
 
     # -- chunks ---------------------------------------------------------------------
@@ -130,31 +137,43 @@ class ChunkCache:
         entry = self._resident.pop(key)
         assert entry.pins == 0, "evicting a pinned chunk"
         self._empty.pop(key, None)
+        if isinstance(entry, Recomputed):
+            choices = self._choices[entry.context]
+            choices.remove(key)
+            if not choices:
+                del self._choices[entry.context]
         self.pool.release(entry.pages)
         self.counters.evictions += isinstance(entry, Resident)
 
     # -- recomputed pages -------------------------------------------------------------
-    def peek_recomputed(self, key: str) -> Recomputed | None:
-        """The recomputed pages under `key`, if any (a check, not a use: no pin, no LRU touch)."""
-        return self._resident.get(key)
-
-    def find_recomputed(self, key: str) -> Recomputed | None:
-        """Pin and return the recomputed pages kept under `key` (lazyrag/serve/recompute.py), if any."""
-        entry = self._resident.get(key)
-        if entry is None:
+    def find_recomputed(self, context: str, wanted: Iterable[int]) -> Recomputed | None:
+        """Pin and return the recomputed pages kept for `context` whose selection holds every page
+        in `wanted` (the last used of them), if any: a request that reads them gets at least the
+        pages it would have recomputed, computed exactly as it would have computed them."""
+        wanted = set(wanted)
+        choices = self._choices.get(context, [])
+        key = next((k for k in reversed(choices) if wanted <= set(self._resident[k].selection)), None)
+        if key is None:
             return None
+        entry = self._resident[key]
         self._resident.move_to_end(key)
+        choices.remove(key)
+        choices.append(key)
         entry.pins += 1
         self.counters.reused_tokens += entry.tokens
         return entry
 
-    def keep_recomputed(self, key: str, selection: tuple[int, ...], pages: list[int], tokens: int) -> Recomputed:
+    def keep_recomputed(self, context: str, selection: tuple[int, ...], pages: list[int], tokens: int) -> Recomputed:
         """Hand `pages` (from alloc, about to be recomputed: `tokens` chunk tokens) to the cache
-        under `key`, pinned for the caller; a later request finds them with find_recomputed."""
+        as the choice `selection` for `context`, pinned for the caller; a later request finds them
+        with find_recomputed."""
         self.counters.recomputed_tokens += tokens
-        entry = self._resident[key] = Recomputed(key, selection, pages, tokens, pins=1)
+        entry = Recomputed(context, tuple(selection), pages, tokens, pins=1)
+        assert entry.key not in self._resident, "a choice kept twice: find_recomputed would have found it"
+        self._resident[entry.key] = entry
+        self._choices.setdefault(context, []).append(entry.key)
         if not pages:
-            self._empty[key] = None
+            self._empty[entry.key] = None
             if len(self._empty) > self.MAX_EMPTY_RECOMPUTED:
                 oldest = next((k for k in self._empty if self._resident[k].pins == 0), None)
                 if oldest is not None:

@@ -247,13 +247,8 @@ class Engine:
         """For the `attention` policy: rank each admitted request's chunk pages by the attention
         its prompt pays them, in a pass over the first layers, then assign its recompute."""
         if self.mode.recompute.needs_scores:
-            # a request whose every chunk's recomputed pages are cached takes them: nothing to rank
-            cached = [s for s in batch if self.mode.reuses_every_chunk(s.request, self.cache)]
-            ranked = [s for s in batch if all(s is not c for c in cached)]
-            for seq, mass in zip(ranked, self.runner.row_attention(ranked, self.ranking_layer) if ranked else []):
+            for seq, mass in zip(batch, self.runner.row_attention(batch, self.ranking_layer)):
                 self.mode.assign_recompute(seq.request, seq.placement, self.cache, mass)
-            for seq in cached:
-                self.mode.assign_recompute(seq.request, seq.placement, self.cache)
 
     def close(self) -> None:
         self.cache.close()

@@ -23,8 +23,8 @@ import numpy as np
 import torch
 
 from lazyrag.config import Mode
-from lazyrag.serve.cache import ChunkCache, Resident
-from lazyrag.serve.paged import LENGTH, PAGE, Feed, page_rows, pages_for
+from lazyrag.serve.cache import ChunkCache, Recomputed, Resident
+from lazyrag.serve.paged import LENGTH, PAGE, Feed, OutOfPages, page_rows, pages_for
 from lazyrag.serve.recompute import Recompute, chain_root, chained, choose, context_key, pages_to_recompute
 from lazyrag.serve.request import Placement, Request, Sequence
 from lazyrag.store import ChunkInfo
@@ -137,57 +137,64 @@ class ServingMode:
                          row_mass: torch.Tensor | None = None) -> None:
         """Choose the chunk pages the placed request recomputes (row_mass: the attention its
         question pays each of its rows, for the `attention` policy) and point each chosen row
-        at a page of its own where the mode shares the chunk. With reuse, the leading chunks
-        whose recomputed pages are cached take those as they are, and the request recomputes
-        the fraction of the pages of the chunks after them, whose pages are then cached too."""
+        at a page of its own where the mode shares the chunk. With reuse, a chunk for which the
+        cache holds pages recomputed after the same context (everything before it, recomputed
+        pages included) that hold every page the request wants there takes them as they are;
+        otherwise the request recomputes what it wants and the cache keeps it. It wants its own
+        choice, and the whole chunk within its shared prefix (lazyrag/serve/recompute.py)."""
         first = np.cumsum([p.n_preamble] + p.chunk_rows)
         scores = None if row_mass is None else [row_mass[a: a + n] for a, n in zip(first, p.chunk_rows)]
+        chosen = choose(self.recompute, p.chunk_rows, scores)
         if not self.reuses_recompute:
-            for c, q in choose(self.recompute, p.chunk_rows, scores):
+            for c, q in chosen:
                 self._recompute_row(request, p, c, q, int(first[c] + q))
             cache.counters.recomputed_tokens += sum(len(tokens) for _, tokens in p.recompute)
             return
-        if len(request.chunks) < 2 or not pages_to_recompute(self.recompute.fraction, p.chunk_rows):
+        if len(request.chunks) < 2 or not chosen:
             return
-        state, c = chain_root(self.namespace, request.chunks[0].chunk_id), 1
-        while c < len(request.chunks) and (
-                entry := cache.find_recomputed(key := context_key(state, request.chunks[c].chunk_id))):
+        own = [tuple(q for cc, q in chosen if cc == c) for c in range(len(request.chunks))]
+        state = chain_root(self.namespace, request.chunks[0].chunk_id)
+        for c in range(1, len(request.chunks)):
+            context = context_key(state, request.chunks[c].chunk_id)
+            wanted = tuple(range(p.chunk_rows[c])) if c < request.shared_prefix else own[c]
+            entry = cache.find_recomputed(context, wanted)
+            if entry is None and wanted != own[c] and not self._reserve(p, cache, len(wanted)):
+                wanted = own[c]  # no room for the whole chunk now: its own choice, from its reserve
+                entry = cache.find_recomputed(context, wanted)
+            if entry is None:
+                entry = self._recompute_chunk(request, p, c, int(first[c]), context, wanted, cache)
+            else:
+                for q, page in zip(entry.selection, entry.pages):
+                    p.rows[first[c] + q, PAGE] = page
+                    p.shared[first[c] + q] = 0
             p.recomputed.append(entry)
-            for q, page in zip(entry.selection, entry.pages):
-                p.rows[first[c] + q, PAGE] = page
-                p.shared[first[c] + q] = 0
-            state, c = chained(key, entry.selection), c + 1
-        # the fraction of the pages after those it reuses (all of them when it reuses none)
-        count = pages_to_recompute(self.recompute.fraction, [0, *p.chunk_rows[c:]])
-        chosen = choose(self.recompute, p.chunk_rows, scores, start=c, count=count)
-        for c in range(c, len(request.chunks)):
-            key = context_key(state, request.chunks[c].chunk_id)
-            selection = tuple(q for cc, q in chosen if cc == c)
-            tokens = len(p.recompute)
-            for q in selection:
-                self._recompute_row(request, p, c, q, int(first[c] + q))
-            pages = [int(p.rows[row, PAGE]) for row, _ in p.recompute[tokens:]]
-            p.private_pages = [pg for pg in p.private_pages if pg not in pages]  # the cache's now
-            entry = cache.keep_recomputed(key, selection, pages, sum(len(t) for _, t in p.recompute[tokens:]))
-            p.recomputed.append(entry)
-            p.created.append(entry)
-            state = chained(key, selection)
+            state = chained(context, entry.selection)
         unused, p.spare = p.spare, []  # back to the pool now rather than when the request ends
         p.private_pages = [pg for pg in p.private_pages if pg not in unused]
         cache.free(unused)
 
-    def reuses_every_chunk(self, request: Request, cache: ChunkCache) -> bool:
-        """Whether the cache holds recomputed pages for every chunk of the request after the
-        first, in its order (a check, no pins): then it needs no ranking of its own."""
-        if not self.reuses_recompute or len(request.chunks) < 2:
+    def _reserve(self, p: Placement, cache: ChunkCache, n: int) -> bool:
+        """Add n pages to the request's reserve for recomputed pages, if the pool has them."""
+        try:
+            pages = cache.alloc(n)
+        except OutOfPages:
             return False
-        state = chain_root(self.namespace, request.chunks[0].chunk_id)
-        for chunk in request.chunks[1:]:
-            entry = cache.peek_recomputed(key := context_key(state, chunk.chunk_id))
-            if entry is None:
-                return False
-            state = chained(key, entry.selection)
+        p.spare += pages
+        p.private_pages += pages
         return True
+
+    def _recompute_chunk(self, request: Request, p: Placement, c: int, first_row: int, context: str,
+                         selection: tuple[int, ...], cache: ChunkCache) -> Recomputed:
+        """Have the request recompute pages `selection` of its chunk c, into pages the cache keeps
+        under `context` (computed by this request's step: `created` until then)."""
+        tokens = len(p.recompute)
+        for q in selection:
+            self._recompute_row(request, p, c, q, first_row + q)
+        pages = [int(p.rows[row, PAGE]) for row, _ in p.recompute[tokens:]]
+        p.private_pages = [pg for pg in p.private_pages if pg not in pages]  # the cache's now
+        entry = cache.keep_recomputed(context, selection, pages, sum(len(t) for _, t in p.recompute[tokens:]))
+        p.created.append(entry)
+        return entry
 
     def _recompute_row(self, request: Request, p: Placement, c: int, q: int, row: int) -> None:
         """Have the request recompute page q of its chunk c, at page row `row`."""

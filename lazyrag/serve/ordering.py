@@ -9,11 +9,15 @@ equally popular keeps the order it was given.
 
   given    the order the query gave (its docs, chunks or retrieval ranks)
   popular  most popular documents first, ties in the given order
+
+`shared_prefixes` counts, for each prompt, the leading chunks that enough of the run's prompts
+start with for recompute to take them whole (lazyrag/serve/recompute.py).
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from itertools import takewhile
 from typing import Iterable
 
 from lazyrag.store import ChunkInfo
@@ -44,3 +48,17 @@ class PopularFirst:
         runs = documents(chunks)
         ranked = sorted(range(len(runs)), key=lambda i: -self.uses[_key(runs[i])])  # stable: ties keep given order
         return [c for i in ranked for c in runs[i]]
+
+
+def shared_prefixes(prompts: list[list[ChunkInfo]], uses: int | None) -> list[int]:
+    """For each prompt (its chunks in prompt order), how many of its leading chunks form a run
+    that at least `uses` of the prompts start with (0 for every prompt when uses is None)."""
+    if uses is None:
+        return [0] * len(prompts)
+    counts = Counter(prefix for chunks in prompts for prefix in _prefixes(chunks))
+    return [sum(1 for _ in takewhile(lambda prefix: counts[prefix] >= uses, _prefixes(chunks)))
+            for chunks in prompts]
+
+
+def _prefixes(chunks: list[ChunkInfo]) -> Iterable[tuple[str, ...]]:
+    return (tuple(c.chunk_id for c in chunks[: i + 1]) for i in range(len(chunks)))

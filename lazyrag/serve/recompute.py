@@ -14,10 +14,14 @@ The candidates are every page of every chunk after the first. Policies rank them
 
 Reuse. A recomputed page's KV depends on everything before it in the prompt: the preamble, the
 chunks before it and which of their pages were recomputed. So the pages recomputed for a chunk
-are kept in the chunk cache under a key that chains all of that (`chain_root`, `context_key`,
-`chained`), and a later request whose prompt starts with the same chunks finds them: it takes
-the earlier request's choice for those chunks and its pages as they are (bit for bit what it
-would recompute), and spends what is left of its budget on the chunks after them.
+are kept in the chunk cache under that context (`chain_root`, `context_key`, `chained`) and the
+pages chosen. Every request makes its own choice, as without reuse; a later request whose prompt
+starts with the same chunks takes the cached pages of each leading chunk whose cached choice
+holds every page it chose there (a superset of its own choice, bit for bit what recomputing that
+choice gives), and recomputes its own choice where none does. Where at least 1/F of a run's
+prompts start with the same chunks (`Recompute.whole_prefix_uses`, counted by
+lazyrag/serve/ordering.py), the first of them recomputes those chunks whole and the others read
+them: once costs less than each prompt's own F of them, and every choice is covered.
 """
 
 from __future__ import annotations
@@ -67,6 +71,13 @@ class Recompute:
         if self.layer >= num_layers:
             raise ValueError(f"--recompute-layer {self.layer} is past the model's last layer ({num_layers - 1})")
         return self.layer
+
+    @property
+    def whole_prefix_uses(self) -> int | None:
+        """How many of a run's prompts must start with the same chunks for those chunks to be
+        recomputed whole, once for all of them: 1/F, where that costs no more than each
+        prompt's own F of their pages. None without reuse."""
+        return math.ceil(1 / self.fraction - 1e-9) if self.reuse and self.fraction > 0 else None
 
     @property
     def needs_scores(self) -> bool:

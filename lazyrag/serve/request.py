@@ -21,6 +21,9 @@ class Request:
     max_new_tokens: int
     arrival: float = 0.0                              # perf_counter time the request became available
     meta: dict = field(default_factory=dict)          # the caller's own data, handed back when it finishes
+    # leading chunks that enough of the run's prompts start with for recompute to take them whole
+    # (lazyrag/serve/ordering.py, shared_prefixes)
+    shared_prefix: int = 0
 
 
 @dataclass

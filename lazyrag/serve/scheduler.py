@@ -221,14 +221,14 @@ class _Held:
     def counters(self):
         return self.cache.counters
 
-    def find_recomputed(self, key: str) -> Recomputed | None:
-        entry = self.cache.find_recomputed(key)
+    def find_recomputed(self, context: str, wanted: Iterable[int]) -> Recomputed | None:
+        entry = self.cache.find_recomputed(context, wanted)
         if entry is not None:
             self.pins.append(entry)
         return entry
 
-    def keep_recomputed(self, key: str, selection: tuple[int, ...], pages: list[int], tokens: int) -> Recomputed:
-        entry = self.cache.keep_recomputed(key, selection, pages, tokens)
+    def keep_recomputed(self, context: str, selection: tuple[int, ...], pages: list[int], tokens: int) -> Recomputed:
+        entry = self.cache.keep_recomputed(context, selection, pages, tokens)
         gone = set(pages)  # the cache owns them now
         self.pages = [p for p in self.pages if p not in gone]
         self.pins.append(entry)

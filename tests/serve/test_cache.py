@@ -108,3 +108,22 @@ def test_prefetch_asks_the_loader_only_for_chunks_not_in_the_pool():
     assert loader.prefetched == ["b", "c"]
     cache.close()
     assert loader.closed
+
+
+def test_a_cached_choice_is_reused_only_where_it_holds_the_requests_own():
+    cache, _ = make_cache(8)
+    wide = cache.keep_recomputed("ctx", (0, 2), cache.alloc(2), 32)
+    empty = cache.keep_recomputed("ctx", (), [], 0)
+    for entry in (wide, empty):
+        cache.release(entry)
+    assert cache.find_recomputed("ctx", (1,)) is None
+    assert cache.find_recomputed("other", ()) is None
+    assert cache.find_recomputed("ctx", (2,)) is wide and wide.pins == 1
+    assert cache.find_recomputed("ctx", ()) is wide  # the last used of those that hold it
+    assert cache.counters.reused_tokens == 64
+    one = cache.keep_recomputed("ctx", (1,), cache.alloc(1), 16)
+    assert cache.find_recomputed("ctx", (1,)) is one and one.pins == 2
+    for entry in (wide, wide, one, one):
+        cache.release(entry)
+    cache.evict(wide.key)
+    assert cache.find_recomputed("ctx", (2,)) is None and cache.find_recomputed("ctx", ()) is one

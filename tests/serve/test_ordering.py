@@ -1,7 +1,7 @@
 """--chunk-order popular: each request's documents most used first, ties and chunks within a
 document in the given order (no model)."""
 
-from lazyrag.serve.ordering import PopularFirst, documents
+from lazyrag.serve.ordering import PopularFirst, documents, shared_prefixes
 from lazyrag.store import ChunkInfo
 
 
@@ -40,3 +40,12 @@ def test_a_run_where_every_document_is_used_once_keeps_every_order():
 def test_a_document_named_twice_in_one_request_counts_once():
     popular = PopularFirst([B + C + B, C, D + A])
     assert popular.uses[("b0",)] == 1 and popular.uses[("c0",)] == 2
+
+
+def test_a_prompts_shared_prefix_is_the_leading_chunks_enough_prompts_start_with():
+    prompts = [A + B + C, A + B + D, A + C, B + A]  # a0 a1 lead three prompts, a0 a1 b0 two
+    assert shared_prefixes(prompts, 2) == [3, 3, 2, 0]
+    assert shared_prefixes(prompts, 3) == [2, 2, 2, 0]
+    assert shared_prefixes(prompts, 4) == [0, 0, 0, 0]
+    assert shared_prefixes(prompts, 1) == [4, 4, 3, 3]  # every prompt shares itself
+    assert shared_prefixes(prompts, None) == [0, 0, 0, 0]

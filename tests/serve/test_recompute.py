@@ -2,6 +2,7 @@
 request's page table, the shared pages and the logits (random:tiny on the CPU, fp32)."""
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -213,45 +214,92 @@ def same_context(store, tiny, docs=("tokyo", "nile", "bach"), other=("tokyo", "n
 def test_a_reused_page_equals_a_freshly_recomputed_one_bit_for_bit(paged_store, tiny, policy):
     recompute = Recompute(0.4, policy, layer=1)
     a, b, _ = same_context(paged_store, tiny)
+    # for `attention`, b's own ranking may differ from a's: b asks a's question, so it chooses as a did
+    b = Request(b.id, b.chunks, a.question_ids, b.max_new_tokens) if policy == "attention" else b
     first = Engine(tiny, paged_store, "lazy", cache_bytes=8 << 20, batch_size=4, recompute=recompute)
     _, reused = run_alone(first, [a, b])
     c = first.cache.counters
     assert c.recomputed_tokens > 0 and c.reused_tokens == c.recomputed_tokens  # b computed nothing itself
-    # b alone in another engine computes the pages a chose (for `attention`, b's own ranking may differ:
-    # hand it a's choice by making a's question its own)
     fresh_engine = Engine(tiny, paged_store, "lazy", cache_bytes=8 << 20, batch_size=4, recompute=recompute)
-    a_as_b = Request(b.id, b.chunks, a.question_ids, b.max_new_tokens) if policy == "attention" else b
-    run_alone(fresh_engine, [a_as_b])
+    run_alone(fresh_engine, [b])
     kept, fresh = recomputed_entries(first), recomputed_entries(fresh_engine)
     assert kept.keys() == fresh.keys() and any(e.pages for e in fresh.values())
     for key, entry in fresh.items():
         assert kept[key].selection == entry.selection
         assert torch.equal(first.pool.kv[:, :, kept[key].pages], fresh_engine.pool.kv[:, :, entry.pages])
-    if policy == "head":  # same choice, same pages: b's logits are the same bits as when it recomputes
-        (alone,) = run_alone(Engine(tiny, paged_store, "lazy", cache_bytes=8 << 20, batch_size=4,
-                                    recompute=recompute), [b])
-        assert torch.equal(reused, alone)
+    (alone,) = run_alone(Engine(tiny, paged_store, "lazy", cache_bytes=8 << 20, batch_size=4,
+                                recompute=recompute), [b])
+    assert torch.equal(reused, alone)  # same choice, same pages: the same bits as when b recomputes
 
 
-def test_a_shared_leading_run_is_reused_and_the_fraction_of_the_rest_recomputed(paged_store, tiny):
-    recompute = Recompute(0.4, "head")
-    a, _, c = same_context(paged_store, tiny)  # c shares a's first two documents, then another
+def own_choice(paged_store, tiny, recompute, req):
+    """The rows `req` recomputes when nothing is reused (its own choice)."""
+    alone = Engine(tiny, paged_store, "lazy", cache_bytes=8 << 20, batch_size=4,
+                   recompute=Recompute(recompute.fraction, recompute.policy, recompute.layer, reuse=False))
+    (seq,) = place(alone, [req])
+    alone._choose_recompute([seq])
+    return sorted(row for row, _ in seq.placement.recompute)
+
+
+@pytest.mark.parametrize("policy", ["head", "attention"])
+def test_a_request_reads_every_page_of_its_own_choice_recomputed_whatever_it_reuses(paged_store, tiny, policy):
+    recompute = Recompute(0.4, policy, layer=1)
+    a, b, c = same_context(paged_store, tiny)  # c shares a's first two documents, then another
+    engine = Engine(tiny, paged_store, "lazy", cache_bytes=8 << 20, batch_size=4, recompute=recompute)
+    run_alone(engine, [a, b])
+    for req in (b, c):
+        (seq,) = place(engine, [req])
+        engine._choose_recompute([seq])
+        p = seq.placement
+        own = own_choice(paged_store, tiny, recompute, req)
+        private = [row for row in range(p.n_preamble, p.n_context) if not p.shared[row]]
+        assert set(own) <= set(private)  # reused or computed: never a shared page where it chose one
+        computed = sorted(row for row, _ in p.recompute)
+        assert set(computed) <= set(own)  # it computes nothing beyond its own choice
+        reused = [e for e in p.recomputed if e not in p.created]
+        assert len(private) == len(computed) + sum(len(e.selection) for e in reused)
+        engine._prefill([seq])
+        seq.placement.release(engine.cache)
+
+
+@pytest.mark.parametrize("policy", ["head", "attention"])
+def test_a_prompt_whose_every_chunk_is_in_its_shared_prefix_reproduces_full(paged_store, tiny, policy):
+    reqs = [replace(r, shared_prefix=len(r.chunks)) for r in requests(paged_store, tiny)]
+    _, _, full = prefill_logits(tiny, paged_store, "full", reqs)
+    _, _, lazy = prefill_logits(tiny, paged_store, "lazy", reqs, Recompute(0.2, policy, layer=1))
+    torch.testing.assert_close(lazy, full, atol=2e-5, rtol=1e-5)
+
+
+def test_a_shared_prefix_is_recomputed_whole_once_and_read_by_the_prompts_after(paged_store, tiny):
+    recompute = Recompute(0.2, Policy.ATTENTION, layer=1)
+    a, b, c = (replace(r, shared_prefix=2) for r in same_context(paged_store, tiny))
     engine = Engine(tiny, paged_store, "lazy", cache_bytes=8 << 20, batch_size=4, recompute=recompute)
     run_alone(engine, [a])
-    after_a = recomputed_entries(engine)
-    (seq,) = place(engine, [c])
+    whole = [e for e in recomputed_entries(engine).values() if len(e.selection) == len(e.pages) > 0]
+    for req in (b, c):
+        (seq,) = place(engine, [req])
+        engine._choose_recompute([seq])
+        p = seq.placement
+        second = p.n_preamble + p.chunk_rows[0]
+        assert p.recomputed[0] in whole and p.recomputed[0].selection == tuple(range(p.chunk_rows[1]))
+        assert all(row >= second + p.chunk_rows[1] for row, _ in p.recompute)  # its own choice after the prefix
+        assert set(own_choice(paged_store, tiny, recompute, req)) <= {
+            row for row in range(p.n_preamble, p.n_context) if not p.shared[row]}
+        engine._prefill([seq])
+        seq.placement.release(engine.cache)
+
+
+def test_a_context_whose_earlier_chunk_was_evicted_is_found_again(paged_store, tiny):
+    recompute = Recompute(0.4, "head")
+    a, b, _ = same_context(paged_store, tiny)
+    engine = Engine(tiny, paged_store, "lazy", cache_bytes=8 << 20, batch_size=4, recompute=recompute)
+    run_alone(engine, [a])
+    (leading, *later) = (e for e in recomputed_entries(engine).values())
+    engine.cache.evict(leading.key)  # the pages of its second chunk go; those after it stay
+    (seq,) = place(engine, [b])
     p = seq.placement
-    budget = engine.mode.recomputed_pages(c)
-    shared = sum(ch.doc_id in ("tokyo", "nile") for ch in c.chunks)
-    taken = [e for e in p.recomputed if e.key in after_a]
-    assert len(taken) == shared - 1  # every shared chunk's entry but the first chunk's (never recomputed)
-    assert p.recomputed[: len(taken)] == taken
-    computed = len(p.recompute)
-    assert computed == pages_to_recompute(0.4, [0, *p.chunk_rows[shared:]]) > 0  # F of the pages it cannot reuse
-    tail = p.n_preamble + sum(p.chunk_rows[:shared])
-    assert all(row >= tail for row, _ in p.recompute)  # only the chunks after the shared ones
-    engine._prefill([seq])
-    assert len(recomputed_entries(engine)) == len(after_a) + len(c.chunks) - shared
+    assert later and all(e in p.recomputed for e in later)  # read again, not recomputed twice
+    assert [e.selection for e in p.created] == [leading.selection]
 
 
 def test_requests_of_one_step_share_what_the_first_recomputes(paged_store, tiny):
@@ -290,16 +338,3 @@ def test_pages_a_failed_step_was_to_recompute_are_never_reused(paged_store, tiny
     assert again.placement.recompute  # computed afresh, not read from pages that hold nothing
 
 
-def test_a_request_whose_every_chunk_is_reused_skips_the_ranking_pass(paged_store, tiny, monkeypatch):
-    recompute = Recompute(0.4, Policy.ATTENTION, layer=1)
-    a, b, c = same_context(paged_store, tiny)
-    engine = Engine(tiny, paged_store, "lazy", cache_bytes=8 << 20, batch_size=4, recompute=recompute)
-    ranked = []
-    probe = engine.runner.row_attention
-    monkeypatch.setattr(engine.runner, "row_attention",
-                        lambda seqs, layer: ranked.append([s.id for s in seqs]) or probe(seqs, layer))
-    assert not engine.mode.reuses_every_chunk(a, engine.cache)
-    run_alone(engine, [a, b, c])
-    assert engine.mode.reuses_every_chunk(b, engine.cache) and not engine.mode.reuses_every_chunk(
-        Request("d", b.chunks[:1] + c.chunks[-1:], b.question_ids, 4), engine.cache)
-    assert ranked == [["a"], ["c"]]  # b found every chunk's pages; c recomputes its last document's
