@@ -30,6 +30,7 @@ class Commands(TyperGroup):
     def invoke(self, ctx: click.Context):
         from lazyrag.failures import classify, debug_traceback
 
+        _sigterm_interrupts()
         try:
             return super().invoke(ctx)
         except (click.exceptions.Exit, click.exceptions.Abort):
@@ -51,6 +52,16 @@ class Commands(TyperGroup):
             debug_traceback()
             _error(failure.message)
             ctx.exit(failure.code)
+
+
+def _sigterm_interrupts() -> None:
+    """SIGTERM stops a command as Ctrl-C does (one line, exit 130; the run resumes), not silently
+    with 143; `answer` installs its own handler while it runs, to finish the row being written."""
+    import signal
+    import threading
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, signal.default_int_handler)
 
 
 def _error(message: str) -> None:
@@ -338,6 +349,10 @@ def answer(
         if result.record_file:
             out.print(f"the store is not writable: this run's record is in {result.record_file}")
     if result.nothing_answered:
+        if result.too_large:  # resources, not input: the same queries fit with more memory
+            from lazyrag.errors import ResourceError
+
+            raise ResourceError(f"no query was answered: {result.too_large}")
         raise typer.Exit(3)  # bad input: nothing could be answered
 
 

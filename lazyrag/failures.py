@@ -47,8 +47,9 @@ def classify(exc: BaseException) -> Failure:
         return Failure(5, text)
     if isinstance(exc, OutOfPages):
         return Failure(5, f"the KV cache is too small: {text}")
-    if isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError":  # torch's, CPU or CUDA
-        return Failure(5, f"out of memory ({text or type(exc).__name__}); lower --batch-size or --cache-gb")
+    if isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError" or _cpu_allocator_failed(exc):
+        return Failure(5, f"out of memory ({_short(text) or type(exc).__name__}); lower --cache-gb, --batch-size "
+                          "or --max-prompt-tokens")
     if isinstance(exc, OSError) and exc.errno in DISK_FULL:
         return Failure(5, f"disk full{_os_where(exc)}; free some space and run again (finished work is kept)")
     if isinstance(exc, (ModelError, AnswersFileError)):
@@ -56,6 +57,18 @@ def classify(exc: BaseException) -> Failure:
     if isinstance(exc, OSError):
         return Failure(1, f"{exc.strerror or text}{_os_where(exc)} ({hint()})")
     return Failure(1, f"{type(exc).__name__}: {text} ({hint()})")
+
+
+def _cpu_allocator_failed(exc: BaseException) -> bool:
+    """torch's CPU allocator raises a plain RuntimeError ("DefaultCPUAllocator: can't allocate memory")."""
+    return isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc)
+
+
+def _short(text: str) -> str:
+    """The allocator's sentence without its C++ source location."""
+    if "DefaultCPUAllocator" in text:
+        return text[text.index("DefaultCPUAllocator"):].split(". Error code")[0]
+    return text
 
 
 def one_line(message: str) -> str:

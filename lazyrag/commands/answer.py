@@ -14,17 +14,20 @@ import sqlite3
 import threading
 import time
 import uuid
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
 
-from lazyrag.commands.answer_engine import QueryEngine, RequestRejected
+from lazyrag.commands import answer_checks as checks
+from lazyrag.commands.answer_engine import QueryEngine, RequestRejected, RequestTooLarge
 from lazyrag.commands.answers_file import AnswersFile, run_record_path
 from lazyrag.commands.audit import audit_run
 from lazyrag.commands.queries import ChunkResolver, Query, in_prompt_order, read_queries
 from lazyrag.config import AnswerConfig
 from lazyrag.eval import scoring
 from lazyrag.serve import Request, Sequence
+from lazyrag.serve import faults
 from lazyrag.store import Store, StoreError
 from lazyrag.store.format import timestamp
 
@@ -44,6 +47,7 @@ class RunSummary:
     errors: Path | None = None
     record_file: Path | None = None  # where the record went when the store could not take it
     queries_in_file: int = 0
+    too_large: str | None = None  # why the first query refused for resources was (RequestTooLarge)
 
     @property
     def answered(self) -> int:
@@ -60,13 +64,17 @@ def answer_file(cfg: AnswerConfig, report: Callable[[str], None] = print, progre
     checked before the model loads; a file with nothing left to answer never loads it. With
     cfg.data_parallel > 1 or cfg.ray_address, engine actors on Ray answer (lazyrag/parallel/)."""
     parallel = cfg.data_parallel > 1 or cfg.ray_address is not None
+    checks.check_options(cfg)
+    checks.check_out(cfg)
+    checks.check_pool_memory(cfg)
     if parallel:
         from lazyrag.parallel.cluster import check_options
 
         check_options(cfg)
+    checks.check_queries(cfg)  # before --out is created
     # the answers file is locked before the slow model load, so a clash fails fast; held until
     # the run is recorded
-    with Store.open(cfg.store) as store, AnswersFile(cfg.out, report) as answers:
+    with Store.open(cfg.store) as store, checked(cfg, store), AnswersFile(cfg.out, report) as answers:
         bad: list[str] = []
 
         def note_bad(msg: str) -> None:
@@ -87,6 +95,13 @@ def answer_file(cfg: AnswerConfig, report: Callable[[str], None] = print, progre
                 _answer_with_one_engine(run, todo)
         summary.failed = answers.failed
         return summary
+
+
+@contextmanager
+def checked(cfg: AnswerConfig, store: Store) -> Iterator[None]:
+    """The options checked against the store's model, before --out is opened."""
+    checks.check_against_store(cfg, store)
+    yield
 
 
 class AnswerRun:
@@ -164,6 +179,8 @@ def _answer_with_one_engine(run: AnswerRun, todo: list[Query]) -> None:
                 yield qe.request(q, chunks, given, shared)
             except (StoreError, RequestRejected) as exc:
                 run.fail(q, str(exc))
+                if isinstance(exc, RequestTooLarge) and run.summary.too_large is None:
+                    run.summary.too_large = str(exc)
 
     def finish(seq: Sequence) -> None:
         if cfg.audit:
@@ -176,7 +193,7 @@ def _answer_with_one_engine(run: AnswerRun, todo: list[Query]) -> None:
     completed = False
     try:
         with run.stop:
-            qe.run(requests(), finish, on_error=lambda seq, exc: run.fail(seq.meta["query"], str(exc)))
+            qe.run(requests(), finish, on_error=lambda seq, exc: run.fail(seq.meta["query"], faults.reason(exc)))
         completed = True
     finally:
         qe.close()  # before the audit builds its engines: one pool at a time
@@ -211,6 +228,10 @@ class RecordSink:
         except OSError as exc:  # the answers are safe; losing the record must not hide why the run ended
             tmp.unlink(missing_ok=True)  # a torn or empty record (a full disk) is litter, not a record
             self.report(f"could not write the run's record to {self.file} ({exc.strerror})")
+            try:
+                tmp.unlink(missing_ok=True)  # no torn or empty .tmp left behind
+            except OSError:
+                pass
 
 
 class GracefulStop:

@@ -12,17 +12,24 @@ from typing import Callable, Iterable
 from lazyrag.commands.audit import answer_text
 from lazyrag.commands.queries import Query
 from lazyrag.config import AnswerConfig
-from lazyrag.errors import ResourceError
+from lazyrag.errors import InputError
 from lazyrag.eval import scoring
 from lazyrag.models import LoadedModel, load_model
 from lazyrag.models.prompt import PromptFormat
 from lazyrag.serve import Engine, Recompute, Request, Sampling, Sequence
+from lazyrag.serve import faults
+from lazyrag.serve.memory import available_bytes, prefill_bytes
 from lazyrag.serve.paged import OutOfPages, pages_for
-from lazyrag.store import ChunkInfo, ChunkReadError, Store, StoreMismatch
+from lazyrag.store import ChunkInfo, Store, StoreMismatch
 
 
 class RequestRejected(Exception):
     """A query that cannot be answered as asked (its prompt is too long); it goes to the errors file."""
+
+
+class RequestTooLarge(RequestRejected):
+    """A query whose request would not fit in the page pool or the memory left even alone: refused
+    before it is attempted (a run that answers nothing for this reason exits 5)."""
 
 
 def load_model_for(store: Store, cfg: AnswerConfig) -> LoadedModel:
@@ -48,6 +55,9 @@ class QueryEngine:
         self.limit = self.context - cfg.max_new_tokens
         if cfg.max_prompt_tokens is not None:
             self.limit = min(self.limit, cfg.max_prompt_tokens)
+        if self.limit < 1:  # answer_checks says so before the load where it can read the model's config
+            raise InputError(f"--max-new-tokens {cfg.max_new_tokens:,} leaves no room for a prompt in the model's "
+                             f"context of {self.context:,} tokens; ask for fewer")
         try:
             self.engine = _engine(self.loaded, store, cfg, cfg.cache_gb * 2**30, cfg.cuda_graphs)
         except OutOfPages:
@@ -62,10 +72,15 @@ class QueryEngine:
     def request(self, q: Query, chunks: list[ChunkInfo], given: list[ChunkInfo] | None = None,
                 shared_prefix: int = 0) -> Request:
         """The query's request over `chunks` (`given`: the same chunks in the order the query gave,
-        which the audit compares against; shared_prefix: Request.shared_prefix). RequestRejected when its prompt is over the length
-        limit; ResourceError when it could not run even alone in the page pool."""
+        which the audit compares against; shared_prefix: Request.shared_prefix). RequestRejected
+        when its prompt is over the length limit; RequestTooLarge when it could not run even alone
+        in the page pool or the memory free."""
         cfg, mode = self.cfg, self.engine.mode
-        request = Request(q.id, chunks, self.fmt.question_ids(q.question), cfg.max_new_tokens,
+        try:
+            question_ids = self.fmt.question_ids(q.question)
+        except Exception as exc:  # the tokenizer's own errors concern this question only
+            raise RequestRejected(f"the tokenizer cannot encode the question ({faults.reason(exc)})") from None
+        request = Request(q.id, chunks, question_ids, cfg.max_new_tokens,
                           arrival=time.perf_counter(), meta={"answers": q.answers, "query": q,
                                                              "given_chunks": given or chunks},
                           shared_prefix=shared_prefix)
@@ -77,12 +92,14 @@ class QueryEngine:
                 + (f", or --max-prompt-tokens {cfg.max_prompt_tokens}" if cfg.max_prompt_tokens else "")
                 + "); name fewer docs or chunks, or shorten the question")
         self._check_fits(request)
+        self._check_memory(request, tokens)
         return request
 
     def run(self, requests: Iterable[Request], on_finish: Callable[[Sequence], None],
-            on_error: Callable[[Sequence, ChunkReadError], None]) -> None:
-        """Answer the requests (Engine.run); a chunk that cannot be read fails only the queries
-        that need it, each handed to `on_error`."""
+            on_error: Callable[[Sequence, Exception], None]) -> None:
+        """Answer the requests (Engine.run); an error that concerns one request (a chunk that
+        cannot be read, out of memory: lazyrag/serve/faults.py) fails only the queries it
+        concerns, each handed to `on_error`."""
         self.engine.run(requests, on_finish, lookahead=self.cfg.prefetch, on_error=on_error)
 
     def row(self, seq: Sequence) -> dict:
@@ -101,7 +118,7 @@ class QueryEngine:
         self.engine.close()
 
     def _check_fits(self, request: Request) -> None:
-        """ResourceError when the request could not run even alone in the page pool, with the
+        """RequestTooLarge when the request could not run even alone in the page pool, with the
         --cache-gb it needs."""
         engine = self.engine
         page_size = engine.pool.page_size
@@ -112,9 +129,23 @@ class QueryEngine:
             kept = engine.pool.num_pages - self.capacity
             page = engine.pool.bytes_per_page
             gb = math.ceil((need + kept) * page / 2**30 * 1e4) / 1e4
-            raise ResourceError(f"--cache-gb {self.cfg.cache_gb:g} is too small for query {request.id}: it needs "
-                                f"{need} pages of KV cache besides the {kept} the preamble keeps "
-                                f"({page / 2**20:.3g} MiB each); raise --cache-gb to at least {gb:g}")
+            raise RequestTooLarge(f"--cache-gb {self.cfg.cache_gb:g} is too small for query {request.id}: it needs "
+                                  f"{need} pages of KV cache besides the {kept} the preamble keeps "
+                                  f"({page / 2**20:.3g} MiB each); raise --cache-gb to at least {gb:g}, or lower "
+                                  "--max-prompt-tokens to refuse prompts this long")
+
+    def _check_memory(self, request: Request, prompt_tokens: int) -> None:
+        """RequestTooLarge when one prefill step of the request (a slice of its prompt attending
+        over all of it) needs more working memory than the machine has free now."""
+        keys = prompt_tokens + self.cfg.max_new_tokens
+        step = min(len(self.engine.mode.prompt_ids(request)), self.engine.runner.prefill_tokens)
+        need = prefill_bytes(self.loaded.cfg, step, keys, self.engine.device.type)
+        free = available_bytes(self.engine.device)
+        if free is not None and need > free:
+            raise RequestTooLarge(f"query {request.id} needs about {need / 2**30:.2f} GiB of working memory to "
+                                  f"prefill its {prompt_tokens:,}-token prompt, but {free / 2**30:.2f} GiB is free; "
+                                  "lower --max-prompt-tokens to refuse prompts this long, or --cache-gb or "
+                                  "--batch-size to leave it more memory")
 
 
 def _engine(loaded: LoadedModel, store: Store, cfg: AnswerConfig, cache_bytes: float, cuda_graphs: bool) -> Engine:

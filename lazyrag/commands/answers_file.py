@@ -17,7 +17,7 @@ import shutil
 from pathlib import Path
 from typing import BinaryIO, Callable
 
-from lazyrag.errors import ResourceError
+from lazyrag.errors import InputError, ResourceError
 
 
 class AnswersFileError(Exception):
@@ -44,12 +44,19 @@ class AnswersFile:
 
     def __init__(self, path: Path, report: Callable[[str], None]):
         """`path` is a regular file or does not exist yet (the command line checks it)."""
-        path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
         self.errors = errors_path(path)
         self.failed = 0
-        # unbuffered, so a failed write leaves nothing queued to be written at close
-        self._fh = open(path, "a+b", buffering=0)
+        self._created = not path.exists()  # removed at close if the run wrote nothing to it
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            # unbuffered, so a failed write leaves nothing queued to be written at close
+            self._fh = open(path, "a+b", buffering=0)
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            raise InputError(f"--out {path}: cannot write the answers file ({exc.strerror}); name a file "
+                             "in a writable directory") from None
         try:
             fcntl.flock(self._fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -72,6 +79,8 @@ class AnswersFile:
     def close(self) -> None:
         if self._errors_fh is not None:
             self._errors_fh.close()
+        if self._created and os.fstat(self._fh.fileno()).st_size == 0:
+            self.path.unlink(missing_ok=True)  # no empty --out left by a run that answered nothing
         self._fh.close()  # releases the lock
 
     def __enter__(self) -> AnswersFile:

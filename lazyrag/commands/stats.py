@@ -22,13 +22,13 @@ def overall(runs: list[dict]) -> dict:
     """Counters summed over runs, ratios recomputed from the sums (not averaged)."""
     keys = ("lookups", "hits", "misses", "lookup_tokens", "hit_tokens", "bytes_read", "bytes_to_gpu", "evictions",
             "recomputed_tokens", "reused_tokens")
-    cache = {k: sum(r["cache"].get(k, 0) for r in runs) for k in keys}
+    cache = {k: sum(r.get("cache", {}).get(k, 0) for r in runs) for k in keys}
     cache["hit_ratio"] = round(cache["hits"] / cache["lookups"], 4) if cache["lookups"] else 0.0
     cache["token_hit_ratio"] = round(cache["hit_tokens"] / cache["lookup_tokens"], 4) if cache["lookup_tokens"] else 0.0
     recomputed = cache["recomputed_tokens"] + cache["reused_tokens"]
     cache["reuse_ratio"] = round(cache["reused_tokens"] / recomputed, 4) if recomputed else 0.0
     return {"runs": len(runs), "queries": sum(r["queries"] for r in runs), "cache": cache,
-            "new_tokens": sum(r["new_tokens"] for r in runs)}
+            "new_tokens": sum(r.get("new_tokens", 0) for r in runs)}
 
 
 def _gb(n: float) -> str:

@@ -23,6 +23,7 @@ from lazyrag import kernels
 from lazyrag.config import Mode
 from lazyrag.eval.fidelity import mean_logprob
 from lazyrag.models import LoadedModel
+from lazyrag.serve import faults
 from lazyrag.serve.cache import ChunkCache
 from lazyrag.serve.loader import ChunkLoader
 from lazyrag.serve.modes import select_mode
@@ -96,19 +97,22 @@ class Engine:
         arrived yet; the engine then runs what it has and asks again (lazyrag/serve/scheduler.py).
         `on_finish` gets each one's Sequence as it ends (finishing order): the request's id,
         chunks and meta, its generated ids, ttft_ms, latency_ms, hits and misses. `on_error(seq,
-        exc)` gets each request that fails because one of its chunks cannot be read (a
-        ChunkReadError, naming the chunk and its segment); the others still run. Without it that
-        error ends the run."""
+        exc)` gets each request that fails alone (lazyrag/serve/faults.py: a chunk that cannot be
+        read, out of memory, bad token ids), after all it held is given back; the others still
+        run. Without it such an error ends the run."""
         sequences = (None if r is None else Sequence(r) for r in requests)
         scheduler = Scheduler(self.mode, self.cache, self.batch_size, sequences, lookahead, on_error)
+        failed: dict[int, Exception] = {}  # id(seq) -> why its decode failed; it leaves at retire
         while (step := scheduler.schedule()) is not None:
             if step.prefill:
-                logits = self._prefill(step.batch)
+                logits = self._isolated_prefill(step.batch, scheduler)
+                if logits is None:
+                    continue  # the batch failed: its requests run again one at a time
             else:
-                logits = self.runner.decode(step.batch)
+                logits = self._isolated_decode(step.batch, None, on_error, failed)
             sampled = self._sample(step.batch, logits, pending=0)
             while scheduler.decodes_next(step.batch, pending=1):
-                logits = self.runner.decode(step.batch, sampled.ids)
+                logits = self._isolated_decode(step.batch, sampled.ids, on_error, failed)
                 following = self._sample(step.batch, logits, pending=1)
                 self._accept(step.batch, sampled)  # waits for the step before only: this one runs meanwhile
                 sampled = following
@@ -116,7 +120,55 @@ class Engine:
                     break  # a stop token: the sequence leaves once the step in flight is done
             self._accept(step.batch, sampled)
             for seq in scheduler.retire():  # nothing in flight: their pages can be handed on
-                on_finish(seq)
+                exc = failed.pop(id(seq), None)
+                if exc is None:
+                    on_finish(seq)
+                else:
+                    on_error(seq, exc)
+
+    def _isolated_prefill(self, batch: list[Sequence], scheduler: Scheduler) -> torch.Tensor | None:
+        """The batch's prefill logits; None when it failed for an error that may concern one
+        request only: nothing says which, so each runs again alone, and one failing alone fails
+        (everything it held given back). Other errors end the run."""
+        try:
+            return self._prefill(batch)
+        except Exception as exc:
+            if scheduler.on_error is None or not faults.concerns_request(exc):
+                raise
+            for seq in batch:
+                self._abandon(seq)
+            if len(batch) == 1:
+                scheduler.fail(batch[0], exc)
+            else:
+                scheduler.retry_alone(batch)
+            return None
+
+    def _abandon(self, seq: Sequence) -> None:
+        """Give back what a sequence whose prefill failed holds, so it can be placed afresh."""
+        seq.placement.release(self.cache)
+        seq.placement, seq.fed, seq.hits, seq.misses = None, 0, 0, 0
+
+    def _isolated_decode(self, batch: list[Sequence], tokens: torch.Tensor | None, on_error,
+                         failed: dict[int, Exception]) -> torch.Tensor:
+        """runner.decode; if it fails for an error that may concern one request only, each
+        sequence decodes alone, and one failing alone ends now (noted in `failed`; its logits row
+        is zeros, never accepted)."""
+        try:
+            return self.runner.decode(batch, tokens)
+        except Exception as exc:
+            if on_error is None or not faults.concerns_request(exc):
+                raise
+        rows = []
+        for i, seq in enumerate(batch):
+            try:
+                rows.append(self.runner.decode([seq], None if tokens is None else tokens[i: i + 1]))
+            except Exception as exc:
+                if not faults.concerns_request(exc):
+                    raise
+                failed[id(seq)] = exc
+                seq.finished_at = time.perf_counter()
+                rows.append(torch.zeros(1, self.runner.vocab, device=self.device))
+        return torch.cat(rows)
 
     def _sample(self, batch: list[Sequence], logits: torch.Tensor, pending: int) -> Sampled:
         """The next token of each sequence, still on the device; `pending` of each one's tokens are
@@ -161,15 +213,35 @@ class Engine:
         """Run `step(*args)`, the batch's first step, after choosing its recompute; if it fails,
         the recomputed pages it was to compute are forgotten (no later request may read them)."""
         try:
+            for seq in batch:
+                self._check_tokens(seq)
             self._choose_recompute(batch)
             out = step(*args)
         except BaseException:
-            for seq in batch:
-                seq.placement.forget_created(self.cache)
+            self._forget_created(batch)
             raise
         for seq in batch:
             seq.placement.created = []  # computed: later requests may read them
         return out
+
+    def _forget_created(self, batch: list[Sequence]) -> None:
+        """The batch's step failed: the recomputed pages it was to compute hold nothing, so they
+        leave the cache now. Another request of the batch may have pinned them (it reads what
+        the first computes): it lets go too, and the last pin dropped evicts them."""
+        created = {id(e) for seq in batch for e in seq.placement.created}
+        for seq in batch:
+            mine = {id(e) for e in seq.placement.created}
+            for entry in [e for e in seq.placement.recomputed if id(e) in created and id(e) not in mine]:
+                seq.placement.recomputed.remove(entry)
+                self.cache.drop_recomputed(entry)
+        for seq in batch:
+            seq.placement.forget_created(self.cache)
+
+    def _check_tokens(self, seq: Sequence) -> None:
+        """BadTokens for a request whose prompt or chunks hold ids the model cannot embed."""
+        faults.check_tokens(seq.placement.prompt_ids, self.runner.vocab, f"request {seq.id}'s prompt")
+        for row, tokens in seq.placement.recompute:
+            faults.check_tokens(tokens, self.runner.vocab, f"a chunk of request {seq.id}")
 
     def _choose_recompute(self, batch: list[Sequence]) -> None:
         """For the `attention` policy: rank each admitted request's chunk pages by the attention

@@ -41,13 +41,22 @@ def pages_for(tokens: int, page_size: int) -> int:
     return -(-tokens // page_size)
 
 
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """torch.zeros, but on the CPU from calloc (numpy's zeros), whose pages the kernel maps on
+    first touch: a pool of --cache-gb costs memory as it fills, not all of it up front."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    size = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+    return torch.from_numpy(np.zeros(size, np.uint8)).view(dtype).view(shape)
+
+
 class PagePool:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_pages: int, page_size: int,
                  dtype: torch.dtype, device: torch.device):
         """dtype: the pages' (the store's KV dtype); fp8 pages come with their scales."""
         self.page_size = page_size
-        self.kv = torch.zeros(2, num_layers, num_pages, page_size, num_kv_heads, head_dim, dtype=dtype, device=device)
-        self.scales = (torch.zeros(2, num_layers, num_pages, page_size, num_kv_heads, device=device)
+        self.kv = _zeros((2, num_layers, num_pages, page_size, num_kv_heads, head_dim), dtype, device)
+        self.scales = (_zeros((2, num_layers, num_pages, page_size, num_kv_heads), torch.float32, device)
                        if dtype == kernels.FP8 else None)
         self._free = list(range(num_pages - 1, -1, -1))  # a stack: page 0 is handed out first
         self.num_pages = num_pages

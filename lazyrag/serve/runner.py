@@ -6,11 +6,15 @@ prefill runs eagerly, its lengths vary too much to capture.
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Iterator
+
 import numpy as np
 import torch
 
 from lazyrag import kernels
 from lazyrag.models import LoadedModel
+from lazyrag.serve import faults
 from lazyrag.serve.cuda_graphs import DecodeGraphs
 from lazyrag.serve.modes import ChunkCopy
 from lazyrag.serve.paged import DELTA, LENGTH, PAGE, START, Feed, PagedAttention, PagePool, StepInputs
@@ -33,6 +37,40 @@ def prompt_feeds(seq: Sequence, tokens: list[int]) -> list[Feed]:
     pages recomputed before it, and the prompt sees them all."""
     p = seq.placement
     return [recompute_feed(p.rows, row, chunk) for row, chunk in p.recompute] + [seq.feed(tokens)]
+
+
+# Most tokens one prefill step feeds, so that a step's working memory (activations, and on the
+# CPU the reference attention's scores against every key) is bounded whatever the prompt's
+# length: a longer prompt is fed in slices, each attending to everything before it. The CPU's is
+# small (its scores are [heads, slice, keys] fp32); a GPU's fits any batch of usual prompts whole.
+PREFILL_TOKENS = {"cpu": 512, "cuda": 16384}
+
+
+def sliced(feeds: list[Feed], most: int) -> Iterator[list[tuple[int, Feed]]]:
+    """The feeds cut into steps of at most `most` tokens, in order: each step lists (index of the
+    feed, the piece of it). A feed is cut only between steps, so everything a piece attends to
+    is in the pool or in its own step, whose every layer writes its K/V before attending."""
+    step, room = [], most
+    for i, f in enumerate(feeds):
+        if not f.tokens:
+            continue  # nothing to feed (and no last token to take logits of)
+        if len(f.tokens) <= room:  # whole: no copy (a prefill with recompute has thousands of feeds)
+            step.append((i, f))
+            room -= len(f.tokens)
+            if room == 0:
+                yield step
+                step, room = [], most
+            continue
+        at = 0
+        while at < len(f.tokens):
+            n = min(room, len(f.tokens) - at)
+            step.append((i, dataclasses.replace(f, first=f.first + at, tokens=f.tokens[at: at + n])))
+            at, room = at + n, room - n
+            if room == 0:
+                yield step
+                step, room = [], most
+    if step:
+        yield step
 
 
 class AttentionProbe:
@@ -115,6 +153,7 @@ class Runner:
         self.vocab = len(loaded.tokenizer)
         self.graphs: DecodeGraphs | None = None
         self.chunk_major = chunk_major
+        self.prefill_tokens = PREFILL_TOKENS["cuda" if self.device.type == "cuda" else "cpu"]
 
     def capture_graphs(self, batch_size: int, pad_page: int) -> None:
         """Capture the decode step of each batch-size bucket; padding rows write to `pad_page`."""
@@ -144,19 +183,33 @@ class Runner:
     def prefill(self, seqs: list[Sequence]) -> torch.Tensor:
         """Feed the placed sequences' prompts (recomputed pages first); the logits of each one's
         last token."""
-        feeds, last, fed = [], [], 0
+        faults.injected([s.id for s in seqs], "prefill")  # the test hook: a no-op unless its variable is set
+        feeds, last = [], []
         for s in seqs:
-            feeds += (mine := prompt_feeds(s, s.placement.prompt_ids))
-            fed += sum(len(f.tokens) for f in mine)
-            last.append(fed - 1)
-        logits = self.forward(feeds, select=torch.tensor(last))
+            feeds += prompt_feeds(s, s.placement.prompt_ids)
+            last.append(len(feeds) - 1)  # the prompt's feed: its last token predicts the answer's first
+        logits = self.sliced_forward(feeds, last)
         for s in seqs:
             s.fed += len(s.placement.prompt_ids)
         return logits
 
+    def sliced_forward(self, feeds: list[Feed], wanted: list[int]) -> torch.Tensor:
+        """The feeds in steps of at most prefill_tokens tokens (`sliced`); the logits of the last
+        token of each feed in `wanted` (ascending), in that order."""
+        wanted_set, out = set(wanted), []
+        for step in sliced(feeds, self.prefill_tokens):
+            ends = np.cumsum([len(piece.tokens) for _, piece in step]) - 1
+            select = [int(end) for (i, piece), end in zip(step, ends)
+                      if i in wanted_set and piece.first + len(piece.tokens) == feeds[i].first + len(feeds[i].tokens)]
+            logits = self.forward([piece for _, piece in step], select=torch.tensor(select, dtype=torch.long))
+            if select:
+                out.append(logits)
+        return torch.cat(out)
+
     def decode(self, seqs: list[Sequence], tokens: torch.Tensor | None = None) -> torch.Tensor:
         """Feed each sequence's last generated token, or the ids `tokens` (on the device, one a
         sequence: sampled, not yet read back); the logits of the next."""
+        faults.injected([s.id for s in seqs], "decode")  # the test hook: a no-op unless its variable is set
         feeds = [s.feed([s.generated[-1] if tokens is None else 0]) for s in seqs]
         logits = self.graphs.run(feeds, tokens) if self.graphs else None
         if logits is None:
@@ -188,6 +241,14 @@ class Runner:
         `layer` (softmax weight summed over heads and tokens; fp32 [rows]). Runs the prompt
         through layers 0..layer only; its K/V there are written again by the real prefill."""
         feeds = [s.feed(s.placement.prompt_ids) for s in seqs]
+        mass = [torch.zeros(f.rows_read(self.pool.page_size), device=self.device) for f in feeds]
+        for step in sliced(feeds, self.prefill_tokens):  # the mass is a sum over tokens: slices add up
+            for (i, _), m in zip(step, self._probe([piece for _, piece in step], layer)):
+                mass[i][: len(m)] += m
+        return list(torch.cat(mass).cpu().split([len(m) for m in mass])) if mass else []
+
+    def _probe(self, feeds: list[Feed], layer: int) -> list[torch.Tensor]:
+        """One step of the feeds through layers 0..layer; each feed's attention mass per row read."""
         step = StepInputs.upload(feeds, self.pool.page_size, self.device)
         probe = AttentionProbe(PagedAttention(self.pool, step, self.model.inv_freq, self.sm_scale,
                                               self.rotate_queries, self.ape), feeds, layer)
@@ -195,8 +256,7 @@ class Runner:
             self.model(step.tokens, step.positions, probe, key_positions=step.key_positions)
         except AttentionProbe.Done:
             pass
-        sizes = [len(m) for m in probe.mass]
-        return list(torch.cat(probe.mass).cpu().split(sizes)) if sizes else []
+        return probe.mass
 
     def rotate_copy(self, copies: list[ChunkCopy]) -> None:
         """Every layer's pages of every chunk in one fused launch (fp8 keys requantised in the same pool)."""

@@ -14,8 +14,10 @@ The source of sequences may be an open stream: it yields None while nothing new 
 and the scheduler runs what it has and asks again at the next step (after OPEN_STREAM_POLL_S
 when it has nothing at all to run). It ends when the source is exhausted.
 
-A chunk that cannot be read (corrupt, or its segment missing or truncated) fails only the
-sequences that need it: their placement is undone and they go to `on_error`.
+A chunk that cannot be read (corrupt, or its segment missing or truncated), or any other error
+that concerns one request (lazyrag/serve/faults.py), fails only the sequences it concerns: their
+placement is undone and they go to `on_error`. The engine hands back a batch whose step failed
+(`retry_alone`): each of its sequences is then admitted alone, so one that fails is the culprit.
 """
 
 from __future__ import annotations
@@ -25,13 +27,14 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
+from lazyrag.serve import faults
 from lazyrag.serve.cache import ChunkCache, Recomputed, Resident
 from lazyrag.serve.modes import ServingMode
 from lazyrag.serve.paged import OutOfPages
 from lazyrag.serve.request import Sequence
-from lazyrag.store import ChunkInfo, ChunkReadError
+from lazyrag.store import ChunkInfo
 
-OnError = Callable[[Sequence, ChunkReadError], None]
+OnError = Callable[[Sequence, Exception], None]
 # How long an idle scheduler waits before asking an open stream again: short beside a decode
 # step, long enough not to spin a core.
 OPEN_STREAM_POLL_S = 0.001
@@ -47,8 +50,9 @@ class Scheduler:
     def __init__(self, mode: ServingMode, cache: ChunkCache, batch_size: int,
                  sequences: Iterable[Sequence | None], lookahead: int = 64, on_error: OnError | None = None):
         """sequences: in arrival order; None from it means nothing has arrived yet (an open stream).
-        on_error(seq, exc): a sequence that failed because one of its chunks cannot be read,
-        after everything its placement took has been given back; None re-raises the error."""
+        on_error(seq, exc): a sequence that failed alone (one of its chunks cannot be read, out of
+        memory: lazyrag/serve/faults.py), after everything its placement took has been given
+        back; None re-raises the error."""
         if batch_size < 1:
             raise ValueError(f"the batch size must be at least 1, got {batch_size}")
         self.mode, self.cache, self.batch_size, self.lookahead = mode, cache, batch_size, lookahead
@@ -57,6 +61,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self._source = iter(sequences)
         self._exhausted = False
+        self._alone: set[int] = set()  # id() of sequences to admit in a prefill step of their own
 
     def schedule(self) -> Step | None:
         """The next step, or None once the source is exhausted and every sequence has finished.
@@ -104,6 +109,24 @@ class Scheduler:
             self.running.remove(seq)
             seq.placement.release(self.cache)
 
+    def retry_alone(self, seqs: list[Sequence]) -> None:
+        """Sequences whose batch failed (their placements given back): out of the batch, to the
+        front of the queue in their order, each to be prefilled alone."""
+        self._leave(seqs)
+        self._alone.update(id(seq) for seq in seqs)
+        self.waiting.extendleft(reversed(seqs))
+
+    def fail(self, seq: Sequence, exc: Exception) -> None:
+        """A sequence that failed alone (its placement given back) leaves for `on_error`."""
+        self._leave([seq])
+        self.on_error(seq, exc)
+
+    def _leave(self, seqs: list[Sequence]) -> None:
+        for seq in seqs:
+            if seq in self.running:
+                self.running.remove(seq)
+            self._alone.discard(id(seq))
+
     def _read_ahead(self) -> bool:
         """Take arrived sequences and start reading the chunks they need, in need order; True when
         the source said nothing has arrived yet."""
@@ -129,10 +152,18 @@ class Scheduler:
         while (self.waiting and len(self.running) + len(admitted) < self.batch_size
                and self.waiting[0].arrival <= now):
             seq = self.waiting[0]
+            alone = id(seq) in self._alone
+            if alone and admitted:
+                break  # it takes the next prefill step by itself
             if not self.fits(seq):
                 if self.running or admitted:
                     break  # wait for running sequences to free pages
-                raise OutOfPages(f"request {seq.id} does not fit in the cache even alone: raise --cache-gb")
+                exc = OutOfPages(f"request {seq.id} does not fit in the cache even alone: raise --cache-gb")
+                if self.on_error is None:
+                    raise exc
+                self.waiting.popleft()
+                failed.append((seq, exc))
+                continue
             if (self.running or admitted) and self._still_reading(seq):
                 break  # the batch runs on while its chunks arrive; it comes next
             self.waiting.popleft()
@@ -141,13 +172,17 @@ class Scheduler:
                 seq.placement = self.mode.place(seq, held)
             except BaseException as exc:
                 held.give_back()
-                if not (isinstance(exc, ChunkReadError) and self.on_error is not None):
+                if not (faults.concerns_request(exc) and self.on_error is not None):
                     raise
                 failed.append((seq, exc))
                 continue
             admitted.append(seq)
+            if alone:
+                self._alone.discard(id(seq))  # failing now, it fails alone: the engine fails it
+                break
         self.running.extend(admitted)
         for seq, exc in failed:  # once the batch is consistent, in case the callback raises
+            self._alone.discard(id(seq))
             self.on_error(seq, exc)
         return admitted
 

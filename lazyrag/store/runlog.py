@@ -31,11 +31,28 @@ class RunLog:
     def records(self) -> list[dict]:
         """The records, oldest first."""
         with self._catalog.reading() as db:
-            return [json.loads(r[0]) for r in db.execute("SELECT record FROM runs ORDER BY id")]
+            return [_record(raw, run_id) for raw, run_id in db.execute("SELECT record, run_id FROM runs ORDER BY id")]
 
     def count(self) -> int:
         with self._catalog.reading() as db:
             return db.execute("SELECT COUNT(*) FROM runs").fetchone()[0]
+
+
+def _record(raw: str, run_id: str) -> dict:
+    """A run's record as saved; StoreError naming the run when it is damaged (not a JSON object
+    with the keys every run saves)."""
+    try:
+        record = json.loads(raw)
+    except (ValueError, TypeError) as e:
+        raise StoreError(f"the run log's record of run {run_id} is damaged ({e}); delete it with "
+                         f"sqlite3 catalog.sqlite \"DELETE FROM runs WHERE run_id = '{run_id}'\"") from None
+    if not isinstance(record, dict) or not all(k in record for k in RECORD_KEYS):
+        raise StoreError(f"the run log's record of run {run_id} is damaged (not a run record); delete it with "
+                         f"sqlite3 catalog.sqlite \"DELETE FROM runs WHERE run_id = '{run_id}'\"")
+    return record
+
+
+RECORD_KEYS = ("mode", "queries")  # what `stats` needs of every run
 
 
 class ObjectRunLog:

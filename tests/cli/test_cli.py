@@ -226,4 +226,4 @@ def test_ape_is_recorded_and_audited_against_plain_full_and_refused_in_full(demo
     assert (settings["ape_temperature"], settings["ape_scale"]) == (0.8, 1.5)
     res = cli("answer", queries, "--store", demo_store, "--out", tmp_path / "f.jsonl", "--device", "cpu",
               "--mode", "full", "--ape-temperature", 0.8)
-    assert res.exit_code == 1 and "lazy and block only" in res.output
+    assert res.exit_code == 3 and "lazy and block only" in res.output  # an option refused before the load

@@ -129,9 +129,13 @@ def test_retrieval_on_an_empty_store_fails_the_query_not_the_run(tiny, tmp_path,
 
 def test_a_cache_too_small_for_one_request_says_what_it_needs(store, queries, tmp_path):
     res = answer(queries, store, tmp_path / "a.jsonl", "--cache-gb", "0.0001", "-q")
-    line = one_error_line(res)
-    assert res.exit_code == 5 and "raise --cache-gb to at least" in line
-    needed = line.rsplit("at least ", 1)[1].split()[0]
+    # the query is refused in the errors file; answering none for want of memory is exit 5
+    warning, line = res.stderr.strip().splitlines()
+    assert warning.startswith("warning: ") and line.startswith("error: no query was answered")
+    assert res.exit_code == 5 and "raise --cache-gb to at least" in line and "--max-prompt-tokens" in line
+    (refused,) = [json.loads(r) for r in (tmp_path / "a.errors.jsonl").read_text().splitlines()]
+    assert refused["id"] == "a" and "raise --cache-gb" in refused["error"]
+    needed = line.rsplit("at least ", 1)[1].split()[0].rstrip(",")
     res = answer(queries, store, tmp_path / "a.jsonl", "--cache-gb", needed)
     assert res.exit_code == 0, res.output  # the size it named is enough
 
