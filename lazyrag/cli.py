@@ -16,7 +16,7 @@ from rich.markup import escape
 from typer.core import TyperGroup
 
 from lazyrag.config import (DEFAULT_MODEL, DEFAULT_STORE, DEVICES, KV_DTYPES, PAGE_SIZES, ROUTINGS,
-                            AnswerConfig, ChunkOrder, IndexConfig, Mode)
+                            AnswerConfig, BenchConfig, ChunkOrder, IndexConfig, Mode)
 
 # one line per message, even when piped (no wrap at 80 columns); tables still fit the width
 out = Console(soft_wrap=True)
@@ -311,6 +311,75 @@ def answer(
             out.print(f"the store is not writable: this run's record is in {result.record_file}")
     if result.nothing_answered:
         raise typer.Exit(3)  # bad input: nothing could be answered
+
+
+@app.command()
+def bench(
+    queries: Path = typer.Argument(..., help="The queries file, as `answer` reads it; a sample is benched."),
+    store: str = StoreOpt,
+    modes: str = typer.Option(BenchConfig.modes, help="Modes to bench, comma-separated: lazy, block, full "
+                                                      "(full runs once, at the first batch size)."),
+    recompute: str = typer.Option(BenchConfig.recompute, metavar="F,...",
+                                  help="Recompute shares in [0, 1] for lazy and block (as answer --recompute)."),
+    batch_sizes: str = typer.Option(BenchConfig.batch_sizes, metavar="N,...", help="Batch sizes to bench."),
+    limit: int = typer.Option(BenchConfig.limit, metavar="N", help="Queries sampled (by --seed) from the file."),
+    seed: int = typer.Option(AnswerConfig.seed, help="Seeds the sample."),
+    warm: bool = typer.Option(BenchConfig.warm, "--warm",
+                              help="Also time a second pass on each configuration's engine (cache warm)."),
+    max_new_tokens: int = typer.Option(AnswerConfig.max_new_tokens, min=1),
+    top_k: int = typer.Option(AnswerConfig.top_k, min=1, help="Chunks to retrieve for queries naming none."),
+    cache_gb: float = typer.Option(AnswerConfig.cache_gb, help="Page pool per configuration, as answer's."),
+    host_cache_gb: float = typer.Option(AnswerConfig.host_cache_gb, help="Pinned host tier, as answer's."),
+    device: str = typer.Option(AnswerConfig.device, callback=_device, help=DEVICE_HELP),
+    model: Optional[str] = typer.Option(AnswerConfig.model, help="The store's model from this path instead."),
+    trust_remote_code: bool = typer.Option(AnswerConfig.trust_remote_code, help=REMOTE_CODE_HELP),
+    recompute_policy: str = typer.Option(AnswerConfig.recompute_policy, help="head or attention, as answer's."),
+    recompute_layer: Optional[int] = typer.Option(AnswerConfig.recompute_layer, min=0,
+                                                  help="The layer ranking pages, as answer's."),
+    recompute_reuse: bool = typer.Option(AnswerConfig.recompute_reuse, "--recompute-reuse/--no-recompute-reuse",
+                                         help="lazy: reuse recomputed pages, as answer's."),
+    chunk_order: ChunkOrder = typer.Option(AnswerConfig.chunk_order, help="lazy: given or popular, as answer's."),
+    cuda_graphs: bool = typer.Option(AnswerConfig.cuda_graphs, "--cuda-graphs/--eager",
+                                     help="On a GPU, replay decode steps from CUDA graphs."),
+    plot: Optional[Path] = typer.Option(None, metavar="FILE.png",
+                                        help="Draw req/s against KL, a point per configuration (matplotlib)."),
+    as_json: bool = JsonOpt,
+    quiet: bool = QuietOpt,
+):
+    """Answer a sample of QUERIES in each configuration and compare speed with fidelity to full.
+
+    Each configuration (mode x recompute x batch size) runs on a fresh engine and cache;
+    --warm adds a pass on the same engine. Writes no answers file; the run log records
+    the run as kind "bench" (`lazyrag stats`).
+
+    --json prints {"bench": [row, ...], ...}, each row: mode, recompute (null for full),
+    batch_size, pass (cold or warm), queries, seconds, req_per_s, ttft_p50_ms,
+    ttft_p95_ms, latency_p50_ms, hit_ratio, kv_peak_bytes, bytes_read, new_tokens,
+    failed, and fidelity to full on the sample as answer --audit measures it:
+    identical, f1_to_full, kl_mean (nats per token), top1_agreement.
+    """
+    from lazyrag.commands.bench import plan, render_bench, run_bench, check_plot
+
+    answer_cfg = AnswerConfig(queries=queries, store=_store(store), model=model, top_k=top_k,
+                              max_new_tokens=max_new_tokens, cache_gb=cache_gb, host_cache_gb=host_cache_gb,
+                              device=device, seed=seed, trust_remote_code=trust_remote_code,
+                              cuda_graphs=cuda_graphs, recompute_policy=recompute_policy,
+                              recompute_layer=recompute_layer, recompute_reuse=recompute_reuse,
+                              chunk_order=chunk_order)
+    cfg = BenchConfig(answer=answer_cfg, modes=modes, recompute=recompute, batch_sizes=batch_sizes, limit=limit,
+                      warm=warm, plot=plot)
+    plan(cfg)  # bad lists fail here, before anything loads
+    check_plot(cfg)
+    if as_json or quiet:
+        _quiet_libraries()
+    record = run_bench(cfg, report=lambda m: err.print(f"[yellow]warning:[/] {escape(m)}", highlight=False),
+                       progress=not (as_json or quiet))
+    if as_json:
+        print(json.dumps(record))
+        return
+    render_bench(record, out)
+    if plot:
+        out.print(f"plotted {sum(r['pass'] == 'cold' for r in record['bench'])} configurations -> {plot}")
 
 
 @app.command()

@@ -106,3 +106,17 @@ class AnswerConfig:
         recompute and reuse on); elsewhere order buys nothing, so prompts keep the order given."""
         reuses = self.mode is Mode.LAZY and self.recompute > 0 and self.recompute_reuse
         return self.chunk_order if reuses else ChunkOrder.GIVEN
+
+
+@dataclass
+class BenchConfig:
+    """`lazyrag bench`: the answer settings every configuration shares, and the configurations
+    (comma-separated lists, as the command line gives them; lazyrag/commands/bench.py parses them)."""
+
+    answer: AnswerConfig          # queries, store, model, cache, answer length, recompute policy, reuse, order
+    modes: str = "lazy,block,full"
+    recompute: str = "0,0.1"      # lazy and block: each share; full has none
+    batch_sizes: str = "32"
+    limit: int = 32               # queries sampled (seeded by answer.seed) from the queries file
+    warm: bool = False            # also a second pass on each configuration's engine, its cache warm
+    plot: Path | None = None      # throughput against KL, one point per configuration (matplotlib)

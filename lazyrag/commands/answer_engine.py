@@ -40,9 +40,10 @@ def load_model_for(store: Store, cfg: AnswerConfig) -> LoadedModel:
 class QueryEngine:
     """The engine of one `answer` run and the request and row building around it."""
 
-    def __init__(self, store: Store, cfg: AnswerConfig):
+    def __init__(self, store: Store, cfg: AnswerConfig, loaded: LoadedModel | None = None):
+        """`loaded`: the store's model already loaded (`bench` builds an engine per configuration)."""
         self.cfg = cfg
-        self.loaded = load_model_for(store, cfg)
+        self.loaded = loaded or load_model_for(store, cfg)
         self.fmt = PromptFormat(self.loaded.tokenizer)
         self.context = self.loaded.cfg.max_position_embeddings
         self.limit = self.context - cfg.max_new_tokens
