@@ -315,7 +315,8 @@ def answer(
 
 @app.command()
 def bench(
-    queries: Path = typer.Argument(..., help="The queries file, as `answer` reads it; a sample is benched."),
+    queries: Optional[Path] = typer.Argument(None, help="The queries file, as `answer` reads it; a sample is "
+                                                        "benched. Or --synthetic."),
     store: str = StoreOpt,
     modes: str = typer.Option(BenchConfig.modes, help="Modes to bench, comma-separated: lazy, block, full "
                                                       "(full runs once, at the first batch size)."),
@@ -341,6 +342,14 @@ def bench(
     chunk_order: ChunkOrder = typer.Option(AnswerConfig.chunk_order, help="lazy: given or popular, as answer's."),
     cuda_graphs: bool = typer.Option(AnswerConfig.cuda_graphs, "--cuda-graphs/--eager",
                                      help="On a GPU, replay decode steps from CUDA graphs."),
+    synthetic: Optional[str] = typer.Option(None, metavar="NAME",
+                                            help="Instead of QUERIES: the paper's workload (paper: Zipf 2.1; "
+                                                 "uniform), --limit queries of 5 docs each, written under --work "
+                                                 "and indexed into --store with --index-model."),
+    work: Path = typer.Option(BenchConfig.work, help="Where --synthetic writes corpus.jsonl, queries.jsonl."),
+    docs: Optional[int] = typer.Option(None, min=1, help="--synthetic: documents (paper: 100)."),
+    doc_tokens: Optional[int] = typer.Option(None, min=16, help="--synthetic: tokens per document (paper: 2048)."),
+    index_model: str = typer.Option(BenchConfig.index_model, help="--synthetic: the model to index with."),
     plot: Optional[Path] = typer.Option(None, metavar="FILE.png",
                                         help="Draw req/s against KL, a point per configuration (matplotlib)."),
     as_json: bool = JsonOpt,
@@ -358,7 +367,7 @@ def bench(
     failed, and fidelity to full on the sample as answer --audit measures it:
     identical, f1_to_full, kl_mean (nats per token), top1_agreement.
     """
-    from lazyrag.commands.bench import plan, render_bench, run_bench, check_plot
+    from lazyrag.commands.bench import render_bench, run_bench
 
     answer_cfg = AnswerConfig(queries=queries, store=_store(store), model=model, top_k=top_k,
                               max_new_tokens=max_new_tokens, cache_gb=cache_gb, host_cache_gb=host_cache_gb,
@@ -367,9 +376,8 @@ def bench(
                               recompute_layer=recompute_layer, recompute_reuse=recompute_reuse,
                               chunk_order=chunk_order)
     cfg = BenchConfig(answer=answer_cfg, modes=modes, recompute=recompute, batch_sizes=batch_sizes, limit=limit,
-                      warm=warm, plot=plot)
-    plan(cfg)  # bad lists fail here, before anything loads
-    check_plot(cfg)
+                      warm=warm, plot=plot, synthetic=synthetic, work=work, docs=docs, doc_tokens=doc_tokens,
+                      index_model=index_model)
     if as_json or quiet:
         _quiet_libraries()
     record = run_bench(cfg, report=lambda m: err.print(f"[yellow]warning:[/] {escape(m)}", highlight=False),

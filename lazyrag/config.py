@@ -120,3 +120,10 @@ class BenchConfig:
     limit: int = 32               # queries sampled (seeded by answer.seed) from the queries file
     warm: bool = False            # also a second pass on each configuration's engine, its cache warm
     plot: Path | None = None      # throughput against KL, one point per configuration (matplotlib)
+    # --synthetic NAME (lazyrag/workload.py): the workload's corpus and queries written under `work`,
+    # indexed into the store with `index_model`, and benched; docs and doc_tokens scale it (None: NAME's)
+    synthetic: str | None = None
+    work: Path = Path("lazyrag-bench")
+    docs: int | None = None
+    doc_tokens: int | None = None
+    index_model: str = DEFAULT_MODEL

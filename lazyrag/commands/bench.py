@@ -23,13 +23,15 @@ from lazyrag.commands.answer import RecordSink
 from lazyrag.commands.answer_engine import QueryEngine, RequestRejected, load_model_for
 from lazyrag.commands.audit import FullReference, forced_logits, full_reference
 from lazyrag.commands.queries import ChunkResolver, Query, in_prompt_order, read_queries
-from lazyrag.config import AnswerConfig, BenchConfig, Mode
+from lazyrag.config import AnswerConfig, BenchConfig, IndexConfig, Mode
 from lazyrag.errors import InputError
 from lazyrag.eval import scoring
 from lazyrag.eval.fidelity import fidelity
 from lazyrag.serve import Sequence
 from lazyrag.store import ChunkInfo, Store, StoreError
 from lazyrag.store.format import timestamp
+from lazyrag.workload import SYNTHETIC, Workload, documents, write_jsonl
+from lazyrag.workload import queries as synthetic_queries
 
 # The keys of each row of `bench --json` (and of the run record's `bench` list), documented in
 # `lazyrag bench --help` and README: what one pass of one configuration measured.
@@ -87,6 +89,9 @@ def plan(cfg: BenchConfig) -> list[Setting]:
     sizes = _items(cfg.batch_sizes, "--batch-sizes", _batch_size)
     if cfg.limit < 1:
         raise InputError(f"--limit {cfg.limit}: sample at least one query")
+    if (cfg.answer.queries is None) == (cfg.synthetic is None):
+        raise InputError("name a QUERIES file or --synthetic paper|uniform (one of the two)")
+    synthetic_workload(cfg)
     settings = [Setting(Mode.FULL, None, sizes[0])] if Mode.FULL in modes else []
     settings += [Setting(m, r, b) for m in dict.fromkeys(modes) if m is not Mode.FULL
                  for r in dict.fromkeys(shares) for b in dict.fromkeys(sizes)]
@@ -123,6 +128,29 @@ def _batch_size(text: str, option: str) -> int:
     return int(text)
 
 
+def synthetic_workload(cfg: BenchConfig) -> Workload | None:
+    """--synthetic's workload, scaled by --docs and --doc-tokens; InputError for an unknown name."""
+    if cfg.synthetic is None:
+        return None
+    if cfg.synthetic not in SYNTHETIC:
+        raise InputError(f"--synthetic {cfg.synthetic!r}: choose {' or '.join(SYNTHETIC)}")
+    w = SYNTHETIC[cfg.synthetic]
+    return replace(w, docs=cfg.docs or w.docs, doc_tokens=cfg.doc_tokens or w.doc_tokens)
+
+
+def write_synthetic(cfg: BenchConfig, w: Workload, progress: bool) -> BenchConfig:
+    """The workload's corpus and --limit queries under --work, the corpus indexed into the store
+    (`lazyrag index`'s own path: what is there already is kept); cfg with its queries file."""
+    from lazyrag.commands.index import build_index
+
+    corpus = write_jsonl(cfg.work / "corpus.jsonl", documents(w, seed=0))
+    queries = write_jsonl(cfg.work / "queries.jsonl", synthetic_queries(w, cfg.limit, seed=cfg.answer.seed + 1))
+    build_index(IndexConfig(corpus=corpus, store=cfg.answer.store, model=cfg.index_model, device=cfg.answer.device,
+                            chunk_tokens=max(16, w.doc_tokens), trust_remote_code=cfg.answer.trust_remote_code),
+                progress=progress)
+    return replace(cfg, answer=replace(cfg.answer, queries=queries))
+
+
 def check_plot(cfg: BenchConfig) -> None:
     """--plot needs matplotlib: said before the model loads."""
     if cfg.plot is None:
@@ -138,6 +166,8 @@ def run_bench(cfg: BenchConfig, report: Callable[[str], None] = print, progress:
     (its `bench` list: one row per pass, ROW_KEYS). Options are checked before the model loads."""
     settings = plan(cfg)
     check_plot(cfg)
+    if (w := synthetic_workload(cfg)) is not None:
+        cfg = write_synthetic(cfg, w, progress)
     base = cfg.answer
     with Store.open(base.store) as store:
         sample = _sample(read_queries(base.queries, report), cfg.limit, base.seed)
@@ -282,7 +312,7 @@ class Bench:
         return {
             "kind": "bench", "time": timestamp(), "mode": "bench", "queries": queries,
             "sample": len(self.resolved), "configurations": [s.label() + f" @{s.batch_size}" for s in settings],
-            "warm": cfg.warm, "queries_file": str(base.queries), "seconds": round(seconds, 3),
+            "warm": cfg.warm, "synthetic": cfg.synthetic, "queries_file": str(base.queries), "seconds": round(seconds, 3),
             "settings": {"cache_gb": base.cache_gb, "host_cache_gb": base.host_cache_gb,
                          "max_new_tokens": base.max_new_tokens, "top_k": base.top_k, "seed": base.seed,
                          "recompute_policy": base.recompute_policy, "recompute_layer": base.recompute_layer,

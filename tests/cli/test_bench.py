@@ -93,3 +93,29 @@ def test_plot_without_matplotlib_names_the_install(store, monkeypatch, tmp_path)
     res = cli("bench", queries, "--store", path, *FAST, "--plot", tmp_path / "f.png")
     assert res.exit_code == 3 and "pip install matplotlib" in res.stderr
     assert not (tmp_path / "f.png").exists()
+
+
+def test_synthetic_writes_indexes_and_benches_the_paper_workload(tmp_path):
+    work, path = tmp_path / "work", tmp_path / "s.zarr"
+    res = cli("bench", "--synthetic", "paper", "--docs", "8", "--doc-tokens", "64", "--work", work,
+              "--store", path, "--index-model", "random:tiny", *FAST, "--modes", "lazy,full", "--recompute", "0",
+              "--batch-sizes", "4", "--json", "-q")
+    assert res.exit_code == 0, res.output
+    rows = json.loads(res.stdout)["bench"]
+    assert [r["mode"] for r in rows] == ["full", "lazy"] and all(r["queries"] == 4 for r in rows)
+    queries = [json.loads(line) for line in (work / "queries.jsonl").read_text().splitlines()]
+    assert len(queries) == 4 and all(len(q["docs"]) == 5 for q in queries)
+    assert len((work / "corpus.jsonl").read_text().splitlines()) == 8
+    run = last_run(path)
+    assert run["kind"] == "bench" and run["synthetic"] == "paper"
+
+
+@pytest.mark.parametrize("with_queries, args, says", [
+    (True, ("--synthetic", "paper"), "one of the two"),
+    (False, (), "one of the two"),
+    (False, ("--synthetic", "zipf3"), "choose paper or uniform"),
+])
+def test_queries_or_synthetic_is_named_once(store, with_queries, args, says):
+    path, queries = store
+    res = cli("bench", *([queries] if with_queries else []), *args, "--store", path, *FAST)
+    assert res.exit_code == 3 and says in res.stderr, res.output
