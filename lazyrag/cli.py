@@ -59,6 +59,9 @@ def _error(message: str) -> None:
 
 app = typer.Typer(
     cls=Commands, add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+    # click's plain help: option names in a column of at most 30, so the text keeps 46 of 80 columns
+    # (rich's panels give the wide flag names most of the width; tests/cli/test_help_width.py)
+    rich_markup_mode=None,
     help="Batch retrieval-augmented generation over a fixed corpus, with each chunk's KV computed once "
          "and reused at any position (deferred RoPE).",
 )
