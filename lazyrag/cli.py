@@ -164,7 +164,7 @@ def index(
     Chunks in missing or truncated segments are encoded again (with --verify, corrupt ones too).
     A store built with another model or other settings is refused.
     """
-    from lazyrag.commands.index import build_index
+    from lazyrag.commands.index_workers import index_corpus
     from lazyrag.commands.preflight import check_index, scan_corpus
 
     cfg = IndexConfig(corpus=corpus, store=_store(store), model=model, device=device, dtype=dtype,
@@ -179,7 +179,7 @@ def index(
                   f"{scan.bad} bad skipped); nothing was indexed", highlight=False)
         raise typer.Exit(3)
     check_index(cfg, scan)
-    result = build_index(cfg, report=lambda m: err.print(f"[yellow]skipped:[/] {escape(m)}", highlight=False),
+    result = index_corpus(cfg, report=lambda m: err.print(f"[yellow]skipped:[/] {escape(m)}", highlight=False),
                          progress=not (as_json or quiet))
     if as_json:
         print(json.dumps(result.to_json()))

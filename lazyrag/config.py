@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -17,11 +16,6 @@ DEFAULT_MODEL = "smollm2-135m"
 PAGE_SIZES = (16, 32, 64, 128)  # what the attention kernels take (a power of two in 16..128)
 KV_DTYPES = ("auto", "bf16", "fp16", "fp32", "fp8")  # `index --kv-dtype`: auto is bf16 on CUDA, fp32 on the CPU
 DEVICES = "auto, cpu, cuda or cuda:N"
-
-
-def lazyrag_home() -> Path:
-    """Where lazyrag keeps what it downloads and derives: models, catalogs of remote stores."""
-    return Path(os.environ.get("LAZYRAG_HOME", "~/.cache/lazyrag")).expanduser()
 ROUTINGS = ("affinity", "round-robin")  # how `answer --data-parallel` spreads queries (lazyrag/parallel/router.py)
 
 

@@ -19,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from lazyrag.commands.answer import RecordSink
+from lazyrag.commands.answer_run import RecordSink
 from lazyrag.commands.answer_engine import QueryEngine, RequestRejected, load_model_for
 from lazyrag.commands.audit import FullReference, forced_logits, full_reference
 from lazyrag.commands.queries import ChunkResolver, Query, in_prompt_order, read_queries
