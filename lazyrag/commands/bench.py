@@ -184,6 +184,8 @@ def run_bench(cfg: BenchConfig, report: Callable[[str], None] = print, progress:
             raise InputError(f"none of the {len(sample)} sampled queries can be answered from {base.store}")
         loaded = load_model_for(store, base)
         bench = Bench(store, loaded, resolved, report)
+        # the record goes to the run log; only a read-only store sends it beside the queries instead
+        # (<queries>.bench.run.json), as answer does beside its answers
         sink = RecordSink(store, uuid.uuid4().hex, base.queries.with_name(f"{base.queries.stem}.bench.jsonl"),
                           report)
         from tqdm import tqdm
