@@ -16,7 +16,7 @@ from rich.markup import escape
 from typer.core import TyperGroup
 
 from lazyrag.config import (DEFAULT_MODEL, DEFAULT_STORE, DEVICES, KV_DTYPES, PAGE_SIZES, ROUTINGS,
-                            AnswerConfig, ChunkOrder, IndexConfig, Mode)
+                            AnswerConfig, BenchConfig, ChunkOrder, IndexConfig, Mode)
 
 # one line per message, even when piped (no wrap at 80 columns); tables still fit the width
 out = Console(soft_wrap=True)
@@ -70,6 +70,9 @@ def _error(message: str) -> None:
 
 app = typer.Typer(
     cls=Commands, add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+    # click's plain help: option names in a column of at most 30, so the text keeps 46 of 80 columns
+    # (rich's panels give the wide flag names most of the width; tests/cli/test_help_width.py)
+    rich_markup_mode=None,
     help="Batch retrieval-augmented generation over a fixed corpus, with each chunk's KV computed once "
          "and reused at any position (deferred RoPE).",
 )
@@ -196,7 +199,7 @@ def index(
     An existing store's model, --chunk-tokens, --page-size and --kv-dtype are used unless given;
     given ones that differ from the store's are refused.
     """
-    from lazyrag.commands.index import build_index
+    from lazyrag.commands.index_workers import index_corpus
     from lazyrag.commands.preflight import STORE_OPTIONS, check_index, scan_corpus, with_store_settings
 
     cfg = IndexConfig(corpus=corpus, store=_store(store), model=model, device=device, dtype=dtype,
@@ -212,7 +215,7 @@ def index(
                   f"{scan.bad} bad skipped); nothing was indexed", highlight=False)
         raise typer.Exit(3)
     check_index(cfg, scan)
-    result = build_index(cfg, report=lambda m: err.print(f"[yellow]skipped:[/] {escape(m)}", highlight=False),
+    result = index_corpus(cfg, report=lambda m: err.print(f"[yellow]skipped:[/] {escape(m)}", highlight=False),
                          progress=not (as_json or quiet))
     if as_json:
         print(json.dumps(result.to_json()))
@@ -354,6 +357,83 @@ def answer(
 
             raise ResourceError(f"no query was answered: {result.too_large}")
         raise typer.Exit(3)  # bad input: nothing could be answered
+
+
+@app.command()
+def bench(
+    queries: Optional[Path] = typer.Argument(None, help="The queries file, as `answer` reads it; a sample is "
+                                                        "benched. Or --synthetic."),
+    store: str = StoreOpt,
+    modes: str = typer.Option(BenchConfig.modes, help="Modes to bench, comma-separated: lazy, block, full "
+                                                      "(full runs once, at the first batch size)."),
+    recompute: str = typer.Option(BenchConfig.recompute, metavar="F,...",
+                                  help="Recompute shares in [0, 1] for lazy and block (as answer --recompute)."),
+    batch_sizes: str = typer.Option(BenchConfig.batch_sizes, metavar="N,...", help="Batch sizes to bench."),
+    limit: int = typer.Option(BenchConfig.limit, metavar="N", help="Queries sampled (by --seed) from the file."),
+    seed: int = typer.Option(AnswerConfig.seed, help="Seeds the sample."),
+    warm: bool = typer.Option(BenchConfig.warm, "--warm",
+                              help="Also time a second pass on each configuration's engine (cache warm)."),
+    max_new_tokens: int = typer.Option(AnswerConfig.max_new_tokens, min=1),
+    top_k: int = typer.Option(AnswerConfig.top_k, min=1, help="Chunks to retrieve for queries naming none."),
+    cache_gb: float = typer.Option(AnswerConfig.cache_gb, help="Page pool per configuration, as answer's."),
+    host_cache_gb: float = typer.Option(AnswerConfig.host_cache_gb, help="Pinned host tier, as answer's."),
+    device: str = typer.Option(AnswerConfig.device, callback=_device, help=DEVICE_HELP),
+    model: Optional[str] = typer.Option(AnswerConfig.model, help="The store's model from this path instead."),
+    trust_remote_code: bool = typer.Option(AnswerConfig.trust_remote_code, help=REMOTE_CODE_HELP),
+    recompute_policy: str = typer.Option(AnswerConfig.recompute_policy, help="head or attention, as answer's."),
+    recompute_layer: Optional[int] = typer.Option(AnswerConfig.recompute_layer, min=0,
+                                                  help="The layer ranking pages, as answer's."),
+    recompute_reuse: bool = typer.Option(AnswerConfig.recompute_reuse, "--recompute-reuse/--no-recompute-reuse",
+                                         help="lazy: reuse recomputed pages, as answer's."),
+    chunk_order: ChunkOrder = typer.Option(AnswerConfig.chunk_order, help="lazy: given or popular, as answer's."),
+    cuda_graphs: bool = typer.Option(AnswerConfig.cuda_graphs, "--cuda-graphs/--eager",
+                                     help="On a GPU, replay decode steps from CUDA graphs."),
+    synthetic: Optional[str] = typer.Option(None, metavar="NAME",
+                                            help="Instead of QUERIES: the paper's workload (paper: Zipf 2.1; "
+                                                 "uniform), --limit queries of 5 docs each, written under --work "
+                                                 "and indexed into --store with --index-model."),
+    work: Path = typer.Option(BenchConfig.work, help="Where --synthetic writes corpus.jsonl, queries.jsonl."),
+    docs: Optional[int] = typer.Option(None, min=1, help="--synthetic: documents (paper: 100)."),
+    doc_tokens: Optional[int] = typer.Option(None, min=16, help="--synthetic: tokens per document (paper: 2048)."),
+    index_model: str = typer.Option(BenchConfig.index_model, help="--synthetic: the model to index with."),
+    plot: Optional[Path] = typer.Option(None, metavar="FILE.png",
+                                        help="Draw req/s against KL, a point per configuration (matplotlib)."),
+    as_json: bool = JsonOpt,
+    quiet: bool = QuietOpt,
+):
+    """Answer a sample of QUERIES in each configuration and compare speed with fidelity to full.
+
+    Each configuration (mode x recompute x batch size) runs on a fresh engine and cache;
+    --warm adds a pass on the same engine. Writes no answers file; the run log records
+    the run as kind "bench" (`lazyrag stats`).
+
+    --json prints {"bench": [row, ...], ...}, each row: mode, recompute (null for full),
+    batch_size, pass (cold or warm), queries, seconds, req_per_s, ttft_p50_ms,
+    ttft_p95_ms, latency_p50_ms, hit_ratio, kv_peak_bytes, bytes_read, new_tokens,
+    failed, and fidelity to full on the sample as answer --audit measures it:
+    identical, f1_to_full, kl_mean (nats per token), top1_agreement.
+    """
+    from lazyrag.commands.bench import render_bench, run_bench
+
+    answer_cfg = AnswerConfig(queries=queries, store=_store(store), model=model, top_k=top_k,
+                              max_new_tokens=max_new_tokens, cache_gb=cache_gb, host_cache_gb=host_cache_gb,
+                              device=device, seed=seed, trust_remote_code=trust_remote_code,
+                              cuda_graphs=cuda_graphs, recompute_policy=recompute_policy,
+                              recompute_layer=recompute_layer, recompute_reuse=recompute_reuse,
+                              chunk_order=chunk_order)
+    cfg = BenchConfig(answer=answer_cfg, modes=modes, recompute=recompute, batch_sizes=batch_sizes, limit=limit,
+                      warm=warm, plot=plot, synthetic=synthetic, work=work, docs=docs, doc_tokens=doc_tokens,
+                      index_model=index_model)
+    if as_json or quiet:
+        _quiet_libraries()
+    record = run_bench(cfg, report=lambda m: err.print(f"[yellow]warning:[/] {escape(m)}", highlight=False),
+                       progress=not (as_json or quiet))
+    if as_json:
+        print(json.dumps(record))
+        return
+    render_bench(record, out)
+    if plot:
+        out.print(f"plotted {sum(r['pass'] == 'cold' for r in record['bench'])} configurations -> {plot}")
 
 
 @app.command()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -17,11 +16,6 @@ DEFAULT_MODEL = "smollm2-135m"
 PAGE_SIZES = (16, 32, 64, 128)  # what the attention kernels take (a power of two in 16..128)
 KV_DTYPES = ("auto", "bf16", "fp16", "fp32", "fp8")  # `index --kv-dtype`: auto is bf16 on CUDA, fp32 on the CPU
 DEVICES = "auto, cpu, cuda or cuda:N"
-
-
-def lazyrag_home() -> Path:
-    """Where lazyrag keeps what it downloads and derives: models, catalogs of remote stores."""
-    return Path(os.environ.get("LAZYRAG_HOME", "~/.cache/lazyrag")).expanduser()
 ROUTINGS = ("affinity", "round-robin")  # how `answer --data-parallel` spreads queries (lazyrag/parallel/router.py)
 
 
@@ -107,3 +101,24 @@ class AnswerConfig:
         recompute and reuse on); elsewhere order buys nothing, so prompts keep the order given."""
         reuses = self.mode is Mode.LAZY and self.recompute > 0 and self.recompute_reuse
         return self.chunk_order if reuses else ChunkOrder.GIVEN
+
+
+@dataclass
+class BenchConfig:
+    """`lazyrag bench`: the answer settings every configuration shares, and the configurations
+    (comma-separated lists, as the command line gives them; lazyrag/commands/bench.py parses them)."""
+
+    answer: AnswerConfig          # queries, store, model, cache, answer length, recompute policy, reuse, order
+    modes: str = "lazy,block,full"
+    recompute: str = "0,0.1"      # lazy and block: each share; full has none
+    batch_sizes: str = "32"
+    limit: int = 32               # queries sampled (seeded by answer.seed) from the queries file
+    warm: bool = False            # also a second pass on each configuration's engine, its cache warm
+    plot: Path | None = None      # throughput against KL, one point per configuration (matplotlib)
+    # --synthetic NAME (lazyrag/workload.py): the workload's corpus and queries written under `work`,
+    # indexed into the store with `index_model`, and benched; docs and doc_tokens scale it (None: NAME's)
+    synthetic: str | None = None
+    work: Path = Path("lazyrag-bench")
+    docs: int | None = None
+    doc_tokens: int | None = None
+    index_model: str = DEFAULT_MODEL

@@ -13,7 +13,7 @@ import sqlite3
 import traceback
 from dataclasses import dataclass
 
-from lazyrag.errors import InputError, ResourceError
+from lazyrag.errors import InputError, ResourceError, WorkerFailed
 
 DEBUG_VAR = "LAZYRAG_DEBUG"
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
@@ -28,7 +28,6 @@ class Failure:
 def classify(exc: BaseException) -> Failure:
     """The exit code and the one-line message of an exception that ended a command."""
     from lazyrag.commands.answers_file import AnswersFileError
-    from lazyrag.commands.index_workers import WorkerFailed
     from lazyrag.models import ModelError
     from lazyrag.serve.paged import OutOfPages
     from lazyrag.store import StoreError

@@ -21,13 +21,16 @@ import dataclasses
 import json
 import os
 import random
-import string
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-DOCS, DOC_TOKENS, PER_PROMPT, QUESTION_TOKENS, NEW_TOKENS = 100, 2048, 5, 32, 16  # --docs/--doc-tokens override
+from lazyrag.workload import PAPER, Workload, documents, draw_docs, words, write_jsonl
+
+# the paper's workload (lazyrag/workload.py); --docs/--doc-tokens override the first two
+DOCS, DOC_TOKENS, PER_PROMPT, QUESTION_TOKENS, NEW_TOKENS = (PAPER.docs, PAPER.doc_tokens, PAPER.per_prompt,
+                                                             PAPER.question_tokens, PAPER.new_tokens)
 
 
 def has_cuda() -> bool:
@@ -54,36 +57,20 @@ def out_dir() -> Path:
     return Path(os.environ.get("OUT", "."))
 
 
-def words(rng: random.Random, n_chars: int) -> str:
-    """Plain lower-case text of exactly n_chars bytes (one token per byte for random:* models)."""
-    out = []
-    while sum(map(len, out)) < n_chars:
-        out.append("".join(rng.choices(string.ascii_lowercase, k=rng.randint(2, 9))) + " ")
-    return "".join(out)[:n_chars]
+def workload() -> Workload:
+    """The paper's workload at this run's --docs and --doc-tokens."""
+    return dataclasses.replace(PAPER, docs=DOCS, doc_tokens=DOC_TOKENS)
 
 
 def zipf_docs(rng: random.Random, alpha: float | None, n: int) -> list[list[str]]:
-    weights = [1.0] * DOCS if alpha is None else [1.0 / (k + 1) ** alpha for k in range(DOCS)]
-    prompts = []
-    for _ in range(n):
-        chosen: list[int] = []
-        while len(chosen) < PER_PROMPT:
-            d = rng.choices(range(DOCS), weights)[0]
-            if d not in chosen:
-                chosen.append(d)
-        rng.shuffle(chosen)
-        prompts.append([f"doc{d:03d}" for d in chosen])
-    return prompts
+    return draw_docs(rng, workload(), n, alpha)
 
 
 def build_store(model: str, root: Path, page_size: int, kv_dtype: str = "auto") -> tuple[Path, dict]:
     from lazyrag.config import IndexConfig
     from lazyrag.commands.index import build_index
 
-    rng = random.Random(0)
-    corpus = root / "corpus.jsonl"
-    corpus.write_text("".join(json.dumps({"id": f"doc{i:03d}", "text": words(rng, DOC_TOKENS)}) + "\n"
-                              for i in range(DOCS)))
+    corpus = write_jsonl(root / "corpus.jsonl", documents(workload(), seed=0))
     store = root / (model.replace(":", "-") + ".zarr")
     result = build_index(IndexConfig(corpus=corpus, store=store, model=model, chunk_tokens=DOC_TOKENS,
                                      batch_tokens=16384, page_size=page_size, dtype=kv_dtype), progress=False)

@@ -19,12 +19,12 @@ import sys
 
 import torch
 
-# the workload, timing and smoke mode of bench_kernels.py, beside this file (a script's own
-# folder is on sys.path); imported before lazyrag, as it picks Triton's interpreter in smoke mode
-import bench_kernels as bk
-from bench_kernels import bench, log
+# the workload, timing and smoke mode that scripts/bench_kernels.py uses; imported before the
+# kernels, as it picks Triton's interpreter in smoke mode
+from lazyrag import kernel_bench as bk
+from lazyrag.kernel_bench import bench, log
 
-from lazyrag import kernels
+from lazyrag import kernels  # noqa: E402
 from lazyrag.kernels import PageTable
 
 

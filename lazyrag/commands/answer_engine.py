@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator
 
 from lazyrag.commands.audit import answer_text
-from lazyrag.commands.queries import Query
+from lazyrag.commands.queries import Query, in_prompt_order
 from lazyrag.config import AnswerConfig
 from lazyrag.errors import InputError
 from lazyrag.eval import scoring
@@ -20,7 +20,7 @@ from lazyrag.serve import Engine, Recompute, Request, Sampling, Sequence
 from lazyrag.serve import faults
 from lazyrag.serve.memory import available_bytes, prefill_bytes
 from lazyrag.serve.paged import OutOfPages, pages_for
-from lazyrag.store import ChunkInfo, Store, StoreMismatch
+from lazyrag.store import ChunkInfo, Store, StoreError, StoreMismatch
 
 
 class RequestRejected(Exception):
@@ -47,9 +47,10 @@ def load_model_for(store: Store, cfg: AnswerConfig) -> LoadedModel:
 class QueryEngine:
     """The engine of one `answer` run and the request and row building around it."""
 
-    def __init__(self, store: Store, cfg: AnswerConfig):
+    def __init__(self, store: Store, cfg: AnswerConfig, loaded: LoadedModel | None = None):
+        """`loaded`: the store's model already loaded (`bench` builds an engine per configuration)."""
         self.cfg = cfg
-        self.loaded = load_model_for(store, cfg)
+        self.loaded = loaded or load_model_for(store, cfg)
         self.fmt = PromptFormat(self.loaded.tokenizer)
         self.context = self.loaded.cfg.max_position_embeddings
         self.limit = self.context - cfg.max_new_tokens
@@ -94,6 +95,19 @@ class QueryEngine:
         self._check_fits(request)
         self._check_memory(request, tokens)
         return request
+
+    def requests(self, resolved: Iterable[tuple[Query, list[ChunkInfo]]],
+                 on_reject: Callable[[Query, Exception], None]) -> Iterator[Request]:
+        """The resolved queries' requests in the run's chunk order, with their shared prefixes
+        (both counted over every query where recomputed pages are reused); a query whose request
+        cannot be built (RequestRejected, StoreError) goes to on_reject instead."""
+        mode = self.engine.mode
+        uses = mode.recompute.whole_prefix_uses if mode.reuses_recompute else None
+        for q, chunks, given, shared in in_prompt_order(resolved, self.cfg.prompt_order, uses):
+            try:
+                yield self.request(q, chunks, given, shared)
+            except (StoreError, RequestRejected) as exc:
+                on_reject(q, exc)
 
     def run(self, requests: Iterable[Request], on_finish: Callable[[Sequence], None],
             on_error: Callable[[Sequence, Exception], None]) -> None:

@@ -6,7 +6,8 @@ at those positions, so the engine can later place it at any offset by shifting t
 query's rotation instead of touching the keys. An fp8 store's chunks are encoded in the
 model's own dtype and quantised once encoded. Many chunks share one forward pass;
 writer threads store finished batches while the next batch runs. With `--workers N`
-(lazyrag/commands/index_workers.py) N processes run this encode loop, each over its share.
+(lazyrag/commands/index_workers.py, which imports this module) N processes run this encode loop,
+each over its share.
 """
 
 from __future__ import annotations
@@ -316,13 +317,12 @@ def sync_documents(cfg: IndexConfig, store: Store, documents: dict[str, list[New
 
 
 def build_index(cfg: IndexConfig, report=print, progress: bool = True, loaded: LoadedModel | None = None) -> IndexResult:
-    """Index cfg.corpus into cfg.store (`loaded`: an already loaded cfg.model, to skip loading;
-    with cfg.workers above 1 each worker loads its own)."""
+    """Index cfg.corpus into cfg.store in this process (`loaded`: an already loaded cfg.model, to
+    skip loading); `index --workers N` goes through index_workers.index_corpus instead."""
     t0 = time.perf_counter()
     if cfg.workers > 1:
-        from lazyrag.commands.index_workers import index_with_workers
-
-        return index_with_workers(cfg, report, progress, t0)
+        raise ValueError("build_index runs in one process: index with workers through "
+                         "lazyrag.commands.index_workers.index_corpus")
     loaded = loaded or load_model(cfg.model, cfg.device, cfg.dtype, cfg.trust_remote_code)
     settings = store_settings(loaded, cfg.model, cfg.chunk_tokens, cfg.page_size)
     with Store.create_or_open(cfg.store, settings) as store:

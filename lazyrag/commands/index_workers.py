@@ -20,6 +20,7 @@ import multiprocessing
 import signal
 import sys
 import threading
+import time
 import zlib
 from collections.abc import Iterator
 from multiprocessing.connection import Connection, wait
@@ -29,8 +30,10 @@ import torch
 
 from lazyrag.commands.index import (IndexResult, ProgressBar, encode_chunks, index_result, pages_per_batch, plan,
                                     store_settings, stored_chunks, sync_documents)
+from lazyrag.commands.index import build_index
 from lazyrag.config import IndexConfig
 from lazyrag.corpus import CorpusStats, Document, read_corpus
+from lazyrag.errors import WorkerFailed
 from lazyrag.failures import classify, debug_traceback
 from lazyrag.models import load_model, resolve_device
 from lazyrag.store import NewChunk, Store, StoreSettings
@@ -38,14 +41,6 @@ from lazyrag.store.location import store_location
 from lazyrag.store.store import WrittenSegment, write_chunks
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
-
-
-class WorkerFailed(Exception):
-    """A worker raised or died; ``code`` is the exit code its failure has (lazyrag/failures.py)."""
-
-    def __init__(self, code: int, message: str):
-        super().__init__(message)
-        self.code = code
 
 
 def worker_devices(device: str, workers: int) -> list[str]:
@@ -69,6 +64,14 @@ def worker_devices(device: str, workers: int) -> list[str]:
 def worker_of(doc_id: str, workers: int) -> int:
     """The worker a document goes to: the same in every run (Python's own hash is salted per process)."""
     return zlib.crc32(doc_id.encode()) % workers
+
+
+def index_corpus(cfg: IndexConfig, report=print, progress: bool = True) -> IndexResult:
+    """`lazyrag index`: with cfg.workers above 1 in that many processes, each loading its own
+    model, else in this one (build_index)."""
+    if cfg.workers > 1:
+        return index_with_workers(cfg, report, progress, time.perf_counter())
+    return build_index(cfg, report, progress)
 
 
 def index_with_workers(cfg: IndexConfig, report, progress: bool, t0: float) -> IndexResult:

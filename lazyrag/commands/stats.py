@@ -100,6 +100,10 @@ def runs_table(runs: list[dict], console: Console) -> None:
             console.print(f"#{i} engine {e['engine']} ({e['device']} on {e['node']}): {e['queries']} queries, "
                           f"hit ratio {e['hit_ratio']:.1%}, TTFT p50 {_ms(e['ttft_ms'], 'p50')} ms, "
                           f"{_gb(e['cache']['bytes_read'])} read{restarts}", highlight=False)
+    for i, r in enumerate(runs, 1):
+        if r.get("kind") == "bench":  # `lazyrag bench`: its rows are in the record (stats --json)
+            console.print(f"#{i} bench: {len(r['configurations'])} configurations on {r['sample']} queries "
+                          f"({', '.join(r['configurations'])})", highlight=False)
     if any("audit" in r for r in runs):
         audit_table(runs, console)
 

@@ -24,7 +24,8 @@ from pathlib import Path
 
 import torch
 
-from lazyrag.config import DEFAULT_MODEL, lazyrag_home
+from lazyrag.config import DEFAULT_MODEL
+from lazyrag.home import lazyrag_home
 from lazyrag.kernels.fp8 import fp8_supported
 
 from .presets import PRESETS, byte_tokenizer, preset_config

@@ -19,7 +19,7 @@ from pathlib import Path
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 
-from lazyrag.commands.answer import AnswerRun
+from lazyrag.commands.answer_run import AnswerRun
 from lazyrag.commands.queries import ChunkResolver, Query, in_prompt_order
 from lazyrag.config import AnswerConfig
 from lazyrag.failures import one_line

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
-from lazyrag.config import lazyrag_home
+from lazyrag.home import lazyrag_home
 
 # the schemes obstore opens from a URL (S3, Google Cloud Storage, Azure)
 OBJECT_SCHEMES = ("s3", "s3a", "gs", "az", "azure", "abfs", "abfss", "adl")

@@ -1,5 +1,5 @@
-"""The run log: one JSON record per ``answer`` run, kept in the store's catalog (a local store) or as one
-object per run (a store on object storage), read by ``stats``."""
+"""The run log: one JSON record per ``answer`` or ``bench`` run (``"kind": "bench"``), kept in the
+store's catalog (a local store) or as one object per run (a store on object storage), read by ``stats``."""
 
 from __future__ import annotations
 

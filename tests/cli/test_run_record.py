@@ -11,7 +11,7 @@ import time
 import pytest
 from cli_tools import answer, cli, index_docs, last_run, write_jsonl
 
-from lazyrag.commands.answer import FLUSH_EVERY
+from lazyrag.commands.answer_run import FLUSH_EVERY
 from lazyrag.store import Store
 from lazyrag.store.format import timestamp
 

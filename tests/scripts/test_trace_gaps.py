@@ -1,6 +1,7 @@
 """scripts/trace_gaps.py: the GPU's idle time in a profiler trace, by the host phase that ran
 meanwhile; and bench_e2e --trace, which writes such traces with the engine's phases labelled."""
 import gzip
+import importlib.util
 import json
 import os
 import subprocess
@@ -10,8 +11,17 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts"))
-import trace_gaps  # noqa: E402
+
+
+def load_script(name: str):
+    """A script of scripts/ as a module, loaded from its file (scripts are no package)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+trace_gaps = load_script("trace_gaps")
 
 
 def event(cat, name, ts, dur):
