@@ -305,7 +305,7 @@ def answer(
                                          "chunk keys (with --ape-temperature). 1 = off."),
     data_parallel: int = typer.Option(AnswerConfig.data_parallel, min=1, metavar="N",
                                       help="Answer with N engines, one per GPU, as actors on Ray (needs "
-                                           "lazyrag\\[ray]): a local Ray instance, or the cluster of --ray-address. "
+                                           "lazyrag[ray]): a local Ray instance, or the cluster of --ray-address. "
                                            "On a machine without GPUs (or with --device cpu), N CPU engines."),
     ray_address: Optional[str] = typer.Option(AnswerConfig.ray_address, metavar="ADDR",
                                               help="Join this Ray cluster (auto: the one this machine is in) and "

@@ -52,7 +52,7 @@ def _record(raw: str, run_id: str) -> dict:
     return record
 
 
-RECORD_KEYS = ("mode", "queries")  # what `stats` needs of every run
+RECORD_KEYS = ("queries",)  # what `stats` needs of every run (older records may lack the rest)
 
 
 class ObjectRunLog:
