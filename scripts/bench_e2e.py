@@ -97,7 +97,7 @@ def run(engine_args: dict, loaded, store, mode: str, prompts, questions, cache_g
     if order == "popular":
         popular = PopularFirst(given)
         given = [popular.order(g) for g in given]
-    shared = shared_prefixes(given, engine.mode.recompute.whole_prefix_uses if engine.mode.reuses_recompute else None)
+    shared = shared_prefixes(given, engine.mode.whole_prefix_uses)
 
     def requests(t0: float) -> list:
         return [Request(f"r{i}", g, fmt_q[i], NEW_TOKENS, arrival=t0 + offsets[i], shared_prefix=shared[i])

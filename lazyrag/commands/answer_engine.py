@@ -101,8 +101,7 @@ class QueryEngine:
         """The resolved queries' requests in the run's chunk order, with their shared prefixes
         (both counted over every query where recomputed pages are reused); a query whose request
         cannot be built (RequestRejected, StoreError) goes to on_reject instead."""
-        mode = self.engine.mode
-        uses = mode.recompute.whole_prefix_uses if mode.reuses_recompute else None
+        uses = self.engine.mode.whole_prefix_uses
         for q, chunks, given, shared in in_prompt_order(resolved, self.cfg.prompt_order, uses):
             try:
                 yield self.request(q, chunks, given, shared)

@@ -133,6 +133,12 @@ class ServingMode:
         (block's recompute writes into the request's own rotated copy)."""
         return self.shares_chunks and self.recompute.reuse
 
+    @property
+    def whole_prefix_uses(self) -> int | None:
+        """How many prompts must share leading chunks for them to be recomputed whole
+        (Recompute.whole_prefix_uses), where this mode reuses recomputed pages; else None."""
+        return self.recompute.whole_prefix_uses if self.reuses_recompute else None
+
     def assign_recompute(self, request: Request, p: Placement, cache: ChunkCache,
                          row_mass: torch.Tensor | None = None) -> None:
         """Choose the chunk pages the placed request recomputes (row_mass: the attention its

@@ -51,3 +51,12 @@ def last_run(store):
     res = cli("stats", "--store", store, "--json")
     assert res.exit_code == 0, res.output
     return json.loads(res.stdout)["runs"][-1]
+
+
+def corpus_of(tmp_path, **docs):
+    """A corpus folder of one .txt file per keyword: name -> text."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir(exist_ok=True)
+    for name, text in docs.items():
+        (corpus / f"{name}.txt").write_text(text)
+    return corpus

@@ -3,17 +3,9 @@ store's own settings when the command line gives none."""
 
 import json
 
-from cli_tools import TINY, cli
+from cli_tools import TINY, cli, corpus_of
 
 from lazyrag.store import Store
-
-
-def corpus_of(tmp_path, **docs):
-    corpus = tmp_path / "corpus"
-    corpus.mkdir(exist_ok=True)
-    for name, text in docs.items():
-        (corpus / f"{name}.txt").write_text(text)
-    return corpus
 
 
 def test_sync_takes_documents_gone_from_the_corpus_out_and_compact_reclaims_them(tmp_path):

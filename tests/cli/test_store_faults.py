@@ -6,7 +6,7 @@ import os
 import shutil
 
 import pytest
-from cli_tools import TINY, answer, cli, index_docs
+from cli_tools import TINY, answer, cli, corpus_of, index_docs
 
 from lazyrag.store import Store
 
@@ -35,14 +35,6 @@ def test_an_emptied_catalog_is_refused_by_every_command_compact_included(store, 
     # nothing re-initialised it: the file is still empty and its segments still there
     assert (copy / "catalog.sqlite").stat().st_size == 0
     assert any((copy / "segments").glob("seg-*"))
-
-
-def corpus_of(tmp_path, **docs):
-    corpus = tmp_path / "corpus"
-    corpus.mkdir(exist_ok=True)
-    for name, text in docs.items():
-        (corpus / f"{name}.txt").write_text(text)
-    return corpus
 
 
 def index(corpus, store, *args):
