@@ -282,12 +282,13 @@ def labelled_phases():
     """The engine's host phases as named ranges in a profiler trace (what the GPU waits for)."""
     from torch.profiler import record_function
 
-    from lazyrag.serve import engine, runner, scheduler, sharing
+    from lazyrag.serve import engine, loader, runner, scheduler, sharing
     from lazyrag.serve.paged import StepInputs
 
     targets = [(engine.Engine, "_choose_recompute"), (engine.Engine, "_accept"), (runner.Runner, "prefill"),
                (runner.Runner, "decode"), (runner.Runner, "row_attention"), (scheduler.Scheduler, "schedule"),
-               (scheduler.Scheduler, "retire"), (sharing.ChunkMajor, "upload"), (sharing.ChunkMajor, "plan"),
+               (scheduler.Scheduler, "retire"), (scheduler.Scheduler, "_admit"), (loader.ChunkLoader, "load"),
+               (sharing.ChunkMajor, "upload"), (sharing.ChunkMajor, "plan"),
                (sharing.ChunkMajor, "cut")]
     originals = [(cls, name, cls.__dict__[name]) for cls, name in targets]
 

@@ -67,3 +67,31 @@ def test_a_prompt_whose_prefill_needs_more_memory_than_is_free_is_refused_not_at
     assert [r["id"] for r in rows(out)] == ["short"]
     refused = errors(out)["long"]["error"]
     assert "working memory" in refused and "--max-prompt-tokens" in refused and "--cache-gb" in refused
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_an_8b_model_answers_a_100000_token_question_in_slices_beside_a_short_one(tmp_path):
+    """random:llama3-8b (a 131,072-token context): the 100,000-token question is within it, so it
+    is answered through sliced prefill, and its working memory stays a few GiB (a prefill in one
+    step would need its 100,000 x 128,256 logits alone: 48 GiB in fp32)."""
+    import torch
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("Alpha is the first letter.\n\nBeta is the second letter.")
+    store = tmp_path / "r.zarr"
+    res = cli("index", corpus, "--store", store, "--model", "random:llama3-8b", "--device", "cuda", "-q")
+    assert res.exit_code == 0, res.output
+    q = write_jsonl(tmp_path / "q.jsonl", {"id": "long", "question": " ".join(["word"] * 100_000)},
+                    {"id": "short", "question": "What is alpha?", "docs": ["a.txt"]})
+    out = tmp_path / "a.jsonl"
+    torch.cuda.reset_peak_memory_stats()
+    res = cli("answer", q, "--store", store, "--out", out, "--device", "cuda", "--cache-gb", "20",
+              "--max-new-tokens", "4", "--batch-size", "4", "-q")
+    assert res.exit_code == 0, res.output
+    answered = {r["id"]: r for r in rows(out)}
+    assert set(answered) == {"long", "short"}
+    assert all(r["new_tokens"] >= 1 for r in answered.values())
+    weights = 8.0e9 * 2  # bf16
+    working = torch.cuda.max_memory_allocated() - weights - 20 * 2**30
+    assert working < 8 * 2**30, f"working memory {working / 2**30:.1f} GiB over the weights and the pool"
