@@ -16,10 +16,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+# bm25s runs a jax top-k at import when jax is installed, and jax then takes 75% of the GPU's
+# memory for itself; lazyrag never uses jax, so where nothing chose a platform it stays on the CPU.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import bm25s
 import numpy as np
 
