@@ -340,8 +340,12 @@ def profile_run(engine_args: dict, loaded, store, mode: str, prompts, questions,
     top = sorted(kernels, key=lambda e: e.self_device_time_total, reverse=True)[:12]
     host = sorted((e for e in events if e.device_type == DeviceType.CPU), key=lambda e: e.self_cpu_time_total,
                   reverse=True)[:12]
-    summary = {"seconds": r["seconds"], "warm": warm, "gpu_busy_s": round(busy_us / 1e6, 3),
-               "gpu_busy_share": round(busy_us / 1e6 / r["seconds"], 3),
+    h2d_us = sum(e.self_device_time_total for e in kernels if "HtoD" in e.key)
+    syncs = ("cudaEventSynchronize", "cudaStreamSynchronize", "cudaDeviceSynchronize")
+    wait_us = sum(e.self_cpu_time_total for e in events if e.device_type == DeviceType.CPU and e.key in syncs)
+    summary = {"seconds": r["seconds"], "warm": warm, "req_per_s": r["req_per_s"], "gpu_busy_s": round(busy_us / 1e6, 3),
+               "gpu_busy_share": round(busy_us / 1e6 / r["seconds"], 3), "h2d_copy_s": round(h2d_us / 1e6, 3),
+               "host_sync_wait_s": round(wait_us / 1e6, 3),
                "top_kernels_ms": {e.key[:80]: round(e.self_device_time_total / 1e3, 1) for e in top},
                "top_host_ops_ms": {f"{e.key[:70]} x{e.count}": round(e.self_cpu_time_total / 1e3, 1) for e in host}}
     print(f"[{model}] profile {mode} ({len(prompts)} requests): {json.dumps(summary)}", flush=True)
@@ -385,12 +389,19 @@ def bench_model(model: str, args, root: Path, save) -> dict:
     if args.profile:  # with the last --recompute fraction, if any: where recompute's time goes
         from lazyrag.serve import Recompute
         pkw = dict(kw, recompute=Recompute(args.recompute[-1], args.recompute_policy)) if args.recompute else kw
+        from lazyrag.store import parallel_reads
         out["profile"] = {}
-        for m in ("lazy", "block"):
-            trace = (out_dir() / f"trace-{m}.json.gz") if args.trace else None
-            out["profile"][m] = profile_run(pkw, loaded, store, m, zipf[:args.profile], questions, cache,
-                                            args.batch_size, model, warm=args.warm, trace=trace)
-        save(out)
+        for threads in args.read_threads or [None]:
+            if threads:  # the store's readers are the process's: replaced for the runs that follow
+                parallel_reads.shared_reads().close()
+                parallel_reads._shared = parallel_reads.ParallelReads(threads)
+            for m in ("lazy", "block") if threads == (args.read_threads or [None])[0] else ("lazy",):
+                for warm in (False, True) if args.warm else (False,):
+                    name = f"{m}{'-warm' if warm else ''}{f'-{threads}t' if threads else ''}"
+                    trace = (out_dir() / f"trace-{name}.json.gz") if args.trace and not warm else None
+                    out["profile"][name] = profile_run(pkw, loaded, store, m, zipf[:args.profile], questions, cache,
+                                                       args.batch_size, model, warm=warm, trace=trace)
+                    save(out)
     if args.check_shared:
         out["shared_check"] = shared_check(kw, loaded, store, zipf[:args.check_shared], questions[:args.check_shared],
                                            cache, args.batch_size)
@@ -552,6 +563,16 @@ def reads_table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def profile_table(results: list[dict]) -> str:
+    """The profiled runs: how busy the GPU was, its host-to-device copy time, the host's waits."""
+    lines = ["| model | run | req/s | s | GPU busy | H2D copies s | host sync waits s |", "|---|---|---|---|---|---|---|"]
+    for res in results:
+        for name, p in res.get("profile", {}).items():
+            lines.append(f"| {res['model'].split(':')[-1]} | {name} | {p['req_per_s']:.1f} | {p['seconds']:.2f} | "
+                         f"{p['gpu_busy_share']:.0%} | {p['h2d_copy_s']:.3f} | {p['host_sync_wait_s']:.3f} |")
+    return "\n".join(lines) if len(lines) > 2 else ""
+
+
 def plot(path: Path) -> None:
     import matplotlib
 
@@ -609,8 +630,11 @@ def main() -> None:
                          "--recompute, the batch sweep)")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="also run lazy and block on N Zipf requests under torch.profiler (GPU busy share, "
-                         "top kernels) before the timed runs, with the last --recompute fraction if any; with "
-                         "--warm, the timed pass of a warm run")
+                         "host-to-device copy time, host waits, top kernels) before the timed runs, with the last "
+                         "--recompute fraction if any; cold, and with --warm also the timed pass of a warm run")
+    ap.add_argument("--read-threads", type=lambda s: [int(x) for x in s.split(",") if x], default=[],
+                    help="with --profile, profile at each of these counts of store reader threads (block at the "
+                         "first only); the timed runs after keep the last")
     ap.add_argument("--trace", action="store_true",
                     help="with --profile, also write each profiled run's trace to $OUT/trace-<mode>.json.gz "
                          "(Chrome trace format), the engine's host phases labelled")
@@ -669,6 +693,7 @@ def main() -> None:
             results.append(bench_model(model, args, Path(root), save))
         save()
     text = sweep_table(results) if args.recompute else table(results) + "\n\n" + reads_table(results)
+    text += ("\n\n" + profile_table(results)) if profile_table(results) else ""
     print(text)
     (out_dir() / "bench_e2e.md").write_text(text + "\n")
 

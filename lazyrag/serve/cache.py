@@ -1,7 +1,9 @@
 """The chunk cache: which chunks' KV is resident in the page pool, and the pool's allocator.
 
 A chunk is the unit of caching. It is pinned while any running request uses it;
-eviction takes the least recently used unpinned chunks. The pages selective recompute wrote for
+eviction takes the least recently used unpinned chunks. A chunk whose look-ahead read has
+finished is loaded into free pages at once, before any request asks for it, so its copy to the
+GPU overlaps the steps before it (its first use still counts as a miss). The pages selective recompute wrote for
 a chunk after a given run of leading chunks (lazyrag/serve/recompute.py) are entries of the same
 LRU, one per choice of pages under that context, pinned and evicted the same way. The cache is the only thing
 that hands out and takes back pool pages (chunk pages, a request's own pages, block
@@ -67,6 +69,8 @@ class Resident:
     info: ChunkInfo
     pages: list[int]
     pins: int = 0
+    copied: object = None  # the event of its copy into the pool, until compute is ordered after it
+    used: bool = True      # False while loaded ahead of the request that will use it
 
     @property
     def key(self) -> str:
@@ -112,21 +116,32 @@ class ChunkCache:
         c.lookups += 1
         c.lookup_tokens += info.length
         entry = self._resident.get(info.chunk_id)
-        if entry is not None:
+        if entry is not None and entry.used:
             c.hits += 1
             c.hit_tokens += info.length
             self._resident.move_to_end(info.chunk_id)
         else:
-            pages = self.alloc(self.pool.pages_for(info.padded_length))
-            try:
-                self._count_load(self.loader.load(info, pages))
-            except BaseException:
-                self.free(pages)
-                raise
+            if entry is None:
+                entry = self._load(info, self.alloc(self.pool.pages_for(info.padded_length)))
+            else:  # loaded ahead: this is the use it was loaded for
+                self._resident.move_to_end(info.chunk_id)
+            entry.used = True
             c.misses += 1
             c.miss_tokens += info.length
-            entry = self._resident[info.chunk_id] = Resident(info, pages)
+        self.loader.after_copy(entry.copied)  # compute is ordered after it from now on
+        entry.copied = None
         entry.pins += 1
+        return entry
+
+    def _load(self, info: ChunkInfo, pages: list[int], used: bool = True) -> Resident:
+        """Load a chunk into `pages` (from alloc) and make it resident, unpinned."""
+        try:
+            report = self.loader.load(info, pages)
+        except BaseException:
+            self.free(pages)
+            raise
+        self._count_load(report)
+        entry = self._resident[info.chunk_id] = Resident(info, pages, copied=report.copied, used=used)
         return entry
 
     def release(self, entry: Resident) -> None:
@@ -136,6 +151,8 @@ class ChunkCache:
     def evict(self, key: str) -> None:
         entry = self._resident.pop(key)
         assert entry.pins == 0, "evicting a pinned chunk"
+        if isinstance(entry, Resident):
+            self.loader.settle(entry.copied)  # loaded ahead, never used: its copy may still be writing
         self._empty.pop(key, None)
         if isinstance(entry, Recomputed):
             choices = self._choices[entry.context]
@@ -188,8 +205,17 @@ class ChunkCache:
 
     def prefetch(self, infos: list[ChunkInfo]) -> None:
         """Read ahead the chunks coming requests need that are not in the pool, in the order given
-        (the order they will be needed); replaces the previous call's list."""
+        (the order they will be needed); replaces the previous call's list. Chunks whose reads
+        have finished are loaded into free pages now (never evicting anything for them)."""
         self.loader.prefetch([info for info in infos if info.chunk_id not in self._resident])
+        for info in self.loader.finished():
+            n = self.pool.pages_for(info.padded_length)
+            if self.pool.num_free < n:
+                break
+            try:
+                self._load(info, self.alloc(n), used=False)
+            except Exception:  # its request's own acquire reads it again and fails alone
+                continue
 
     def is_loading(self, chunk_id: str) -> bool:
         """Whether the chunk is not in the pool and its read is under way: acquiring it now would wait."""

@@ -14,6 +14,7 @@ A request that stops at a stop token has then run one step too many: that token 
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Callable, Iterable, Iterator
 
@@ -218,11 +219,19 @@ class Engine:
             self._choose_recompute(batch)
             out = step(*args)
         except BaseException:
+            with contextlib.suppress(Exception):  # the step's own error says more than a broken GPU's
+                self._drain()
             self._forget_created(batch)
             raise
         for seq in batch:
             seq.placement.created = []  # computed: later requests may read them
         return out
+
+    def _drain(self) -> None:
+        """Wait for the GPU: a failed step may have left kernels in flight over pages about to be
+        freed, and chunk copies into free pages wait for no kernel (lazyrag/serve/loader.py)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def _forget_created(self, batch: list[Sequence]) -> None:
         """The batch's step failed: the recomputed pages it was to compute hold nothing, so they

@@ -5,11 +5,14 @@ start in that order on reader threads while the bytes read ahead and not yet loa
 a budget (on a GPU, the pinned staging buffers they land in), and every load that consumes one
 starts the next, so the store is read while the GPU works. Each chunk read is itself split into
 pieces read in parallel (lazyrag/store/parallel_reads.py). Host to GPU copies go on their own
-CUDA stream. An optional host-memory tier keeps recently read chunks, so a chunk evicted from
-the pool comes back without the disk; on a GPU it keeps the pinned buffer the chunk was read
-into and gives staging one back when it evicts, so the host copies nothing. What to load and
-when is the chunk cache's business (lazyrag/serve/cache.py); this module only moves bytes and
-reports what each load cost.
+CUDA stream and wait for nothing on the compute stream: the pages they fill are free, so no
+kernel in flight reads them (the engine drains the GPU before it frees pages a failed step may
+still touch). Compute waits only for the copy of a chunk it is about to read (`after_copy`).
+An optional host-memory tier keeps recently read chunks, so a chunk evicted from the pool comes
+back without the disk; on a GPU it keeps the pinned buffer the chunk was read into and gives
+staging one back when it evicts, so the host copies nothing. What to load and when is the chunk
+cache's business (lazyrag/serve/cache.py); this module only moves bytes and reports what each
+load cost.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ class LoadReport:
     read_wait_s: float = 0.0  # waiting on the disk read (or a prefetch still in flight)
     bytes_read: int = 0       # from the store on disk
     bytes_to_gpu: int = 0     # copied into the pool
+    copied: torch.cuda.Event | None = None  # the copy's event (GPU): compute reading the pages waits for it
 
 
 class Loader(Protocol):
@@ -50,7 +54,18 @@ class Loader(Protocol):
     def reading(self, chunk_id: str) -> bool:
         """Whether the chunk's read has started and not finished: loading it now would wait."""
 
-    def load(self, info: ChunkInfo, pages: list[int]) -> LoadReport: ...
+    def finished(self) -> list[ChunkInfo]:
+        """The look-ahead's reads that are done and not loaded yet, in need order: loading them
+        now waits for nothing."""
+
+    def load(self, info: ChunkInfo, pages: list[int]) -> LoadReport:
+        """Write the chunk's KV into `pages` (free pages: nothing in flight reads them)."""
+
+    def after_copy(self, copied: torch.cuda.Event | None) -> None:
+        """Compute queued from now on runs after this copy (a LoadReport's `copied`)."""
+
+    def settle(self, copied: torch.cuda.Event | None) -> None:
+        """Wait until this copy has run (before its pages go to anyone else)."""
 
     def close(self) -> None: ...
 
@@ -194,30 +209,40 @@ class ChunkLoader:
         read = self.pending.get(chunk_id)
         return read is not None and not read.future.done()
 
+    def finished(self) -> list[ChunkInfo]:
+        return [read.info for read in self.pending.values() if read.future.done()]
+
     def load(self, info: ChunkInfo, pages: list[int]) -> LoadReport:
-        """Write the chunk's KV into `pages`; compute waits only for this chunk's copy."""
+        """Write the chunk's KV into `pages`; nothing waits for the copy until `after_copy`."""
         report = LoadReport()
         kept = self.host.get(info.chunk_id)
         if kept is not None:
             report.host_hit = True
-            kept.copied = self._to_pool(kept.kv, pages)
+            kept.copied = report.copied = self._to_pool(kept.kv, pages)
             host = kept.kv
         else:
             host, buf = self._wait_read(info, report)
-            self._keep(info.chunk_id, host, buf, self._to_pool(host, pages))
+            report.copied = self._to_pool(host, pages)
+            self._keep(info.chunk_id, host, buf, report.copied)
         report.bytes_to_gpu = host.numel() * host.element_size()
         self._start_wanted()  # a buffer may have come back
         return report
 
+    def after_copy(self, copied: torch.cuda.Event | None) -> None:
+        if copied is not None:
+            torch.cuda.current_stream().wait_event(copied)
+
+    def settle(self, copied: torch.cuda.Event | None) -> None:
+        if copied is not None:
+            copied.synchronize()
+
     def _to_pool(self, host: torch.Tensor, pages: list[int]) -> torch.cuda.Event | None:
-        """Copy into the pool (on the copy stream, after the compute queued so far); the copy's event."""
+        """Copy into the pool on the copy stream; the copy's event."""
         if self.stream is None:
             self.pool.write_tokens(pages, host)
             return None
-        self.stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.stream):
             self.pool.write_tokens(pages, host)
-        torch.cuda.current_stream().wait_stream(self.stream)
         copied = torch.cuda.Event()
         copied.record(self.stream)
         return copied

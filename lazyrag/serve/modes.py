@@ -226,8 +226,9 @@ class ServingMode:
         order = sorted(range(len(chunks)), key=lambda i: not cache.is_resident(chunks[i].chunk_id))
         pins: list[Resident | None] = [None] * len(chunks)
         for i in order:
-            hit = cache.is_resident(chunks[i].chunk_id)
+            hits = cache.counters.hits
             pins[i] = cache.acquire(chunks[i])
+            hit = cache.counters.hits > hits  # the cache's word: a chunk loaded ahead is a miss
             seq.hits, seq.misses = seq.hits + hit, seq.misses + (not hit)
         return pins
 

@@ -3,6 +3,8 @@ that records what the cache asks of it, and a small CPU page pool."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from lazyrag.serve.cache import ChunkCache
@@ -23,14 +25,18 @@ def chunk(chunk_id: str, length: int) -> ChunkInfo:
 
 
 class FakeLoader:
-    """Moves no bytes: records each load and prefetch, fails the loads it is told to, and says
-    the chunks in `in_flight` are still being read."""
+    """Moves no bytes: records each load and prefetch, fails the loads it is told to, says the
+    chunks in `in_flight` are still being read and those in `done` read ahead (until loaded), and
+    records the copies compute was ordered after and those waited for."""
 
     def __init__(self):
         self.loads: list[tuple[str, list[int]]] = []
         self.prefetched: list[str] = []
         self.failing: set[str] = set()
         self.in_flight: set[str] = set()
+        self.done: list[ChunkInfo] = []
+        self.ordered_after: list[object] = []
+        self.settled: list[object] = []
         self.report = LoadReport(bytes_read=10, bytes_to_gpu=10)
         self.closed = False
 
@@ -40,11 +46,23 @@ class FakeLoader:
     def reading(self, chunk_id: str) -> bool:
         return chunk_id in self.in_flight
 
+    def finished(self) -> list[ChunkInfo]:
+        return list(self.done)
+
     def load(self, info: ChunkInfo, pages: list[int]) -> LoadReport:
+        self.done = [d for d in self.done if d.chunk_id != info.chunk_id]
         if info.chunk_id in self.failing:
             raise OSError(f"cannot read {info.chunk_id}")
         self.loads.append((info.chunk_id, list(pages)))
-        return self.report
+        return dataclasses.replace(self.report, copied=f"copy of {info.chunk_id}")
+
+    def after_copy(self, copied) -> None:
+        if copied is not None:
+            self.ordered_after.append(copied)
+
+    def settle(self, copied) -> None:
+        if copied is not None:
+            self.settled.append(copied)
 
     def close(self) -> None:
         self.closed = True

@@ -127,3 +127,42 @@ def test_a_cached_choice_is_reused_only_where_it_holds_the_requests_own():
         cache.release(entry)
     cache.evict(wide.key)
     assert cache.find_recomputed("ctx", (2,)) is None and cache.find_recomputed("ctx", ()) is one
+
+
+def test_a_chunk_read_ahead_is_loaded_into_free_pages_and_its_first_use_is_a_miss():
+    cache, loader = make_cache(6)
+    loader.done = [A, B]
+    cache.prefetch([A, B])
+    assert loader.loads == [("a", [0, 1]), ("b", [2, 3])]  # before any request asks
+    assert cache.is_resident("a") and not cache.is_loading("a")
+    assert loader.ordered_after == []  # compute waits for a copy only once it reads the chunk
+    entry = cache.acquire(A)
+    assert entry.pages == [0, 1] and loader.ordered_after == ["copy of a"]
+    cache.release(entry)
+    use(cache, A)
+    c = cache.counters
+    assert (c.lookups, c.hits, c.misses, c.bytes_read) == (2, 1, 1, 20)  # b's read is counted too
+    assert loader.ordered_after == ["copy of a"]  # ordered once: later compute is on the same stream
+
+
+def test_loading_ahead_takes_free_pages_only_and_a_never_used_chunk_is_settled_before_eviction():
+    cache, loader = make_cache(4)
+    use(cache, A)  # pages 0-1, unpinned
+    loader.done = [B, C]
+    cache.prefetch([B, C])
+    assert loader.loads == [("a", [0, 1]), ("b", [2, 3])]  # c would need a's pages: it waits for its request
+    assert cache.is_resident("a")
+    cache.evict("b")  # loaded ahead, never used
+    assert loader.settled == ["copy of b"]
+    cache.evict("a")  # used: compute was ordered after its copy already
+    assert loader.settled == ["copy of b"]
+
+
+def test_a_read_ahead_that_fails_to_load_is_left_to_its_request():
+    cache, loader = make_cache(6)
+    loader.done, loader.failing = [A, B], {"a"}
+    cache.prefetch([A, B])
+    assert not cache.is_resident("a") and cache.is_resident("b")
+    assert cache.pool.num_free == 4  # a's pages came back
+    with pytest.raises(OSError, match="cannot read a"):
+        cache.acquire(A)

@@ -39,6 +39,15 @@ class UnreadableLoader:
     def reading(self, chunk_id: str) -> bool:
         return False
 
+    def finished(self) -> list[ChunkInfo]:
+        return []
+
+    def after_copy(self, copied) -> None:
+        pass
+
+    def settle(self, copied) -> None:
+        pass
+
     def load(self, info: ChunkInfo, pages: list[int]) -> LoadReport:
         if info.chunk_id in self.unreadable:
             raise ChunkReadError(f"chunk {info.chunk_id} (segment {info.segment}) cannot be read", info.chunk_id,
