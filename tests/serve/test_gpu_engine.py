@@ -140,3 +140,27 @@ def test_staged_chunk_loads_are_bit_exact(setup):
             cache.release(entry)
             cache.evict(info.chunk_id)
     cache.close()
+
+
+@pytest.mark.parametrize("mode", ["lazy", "block"])
+def test_cold_runs_with_chunks_loaded_ahead_answer_as_warm_ones_do(setup, mode):
+    """Cold: chunks are read ahead and copied into the pool before their requests run (batch 1,
+    so the later requests' chunks arrive while the first decodes); warm: all resident. Same
+    greedy answers, CUDA graphs on."""
+    loaded, store = setup
+    fmt = PromptFormat(loaded.tokenizer)
+    engine = Engine(loaded, store, mode, cache_bytes=4 << 30, batch_size=1)
+
+    def answers():
+        out = {}
+        engine.run(requests(store, fmt), lambda seq: out.__setitem__(seq.id, list(seq.generated)))
+        return out
+
+    cold = answers()
+    counters = engine.cache.counters
+    assert counters.read_ahead > 0 and counters.misses > 0
+    engine.cache.reset_counters()
+    warm = answers()
+    assert engine.cache.counters.misses == 0
+    assert warm == cold
+    engine.close()
