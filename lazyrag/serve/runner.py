@@ -96,13 +96,31 @@ class AttentionProbe:
         counts = [f.rows_read(ps) for f in self.feeds]
         cu = np.cumsum([0] + [len(f.tokens) for f in self.feeds])  # from the host: no wait on the GPU
         width, most = max(counts, default=1), int(np.diff(cu).max(initial=1))
-        per_feed = width * ps * 4 * (3 * k.shape[1] * k.shape[2] + 2 * q.shape[1] * most)
-        size = max(1, self.GROUP_BYTES // per_feed)
+        size = max(1, self.GROUP_BYTES // self._bytes(width, most, q, k))
+        if size == 1 and self._bytes(width, most, q, k) > self.GROUP_BYTES:
+            self._mass_in_pieces(layer, q, k, counts, cu)
+            raise self.Done
         for lo in range(0, len(self.feeds), size):
             hi = min(lo + size, len(self.feeds))
             mass = self._group_mass(layer, q, counts[lo:hi], cu[lo: hi + 1], self.feeds[lo:hi], width, most)
             self.mass += [m[:n] for m, n in zip(mass, counts[lo:hi])]  # on the device: one transfer for all
         raise self.Done
+
+    def _bytes(self, rows: int, tokens: int, q: torch.Tensor, k: torch.Tensor) -> int:
+        """fp32 working memory of one feed's mass: its keys, and scores and weights per token."""
+        return rows * self.attention.pool.page_size * 4 * (3 * k.shape[1] * k.shape[2] + 2 * q.shape[1] * tokens)
+
+    def _mass_in_pieces(self, layer: int, q: torch.Tensor, k: torch.Tensor, counts: list[int], cu: np.ndarray) -> None:
+        """A feed at a time, its tokens a piece at a time: a long prompt's scores over all its
+        rows would not fit at once, and the mass is a sum over tokens."""
+        for i, (feed, rows) in enumerate(zip(self.feeds, counts)):
+            per_token = self._bytes(rows, 1, q, k) - self._bytes(rows, 0, q, k)
+            piece = max(1, (self.GROUP_BYTES - self._bytes(rows, 0, q, k)) // per_token)
+            mass = torch.zeros(rows, device=q.device)
+            for lo in range(int(cu[i]), int(cu[i + 1]), piece):
+                hi = min(lo + piece, int(cu[i + 1]))
+                mass += self._group_mass(layer, q, [rows], np.array([lo, hi]), [feed], rows, hi - lo)[0]
+            self.mass.append(mass)
 
     def _group_mass(self, layer: int, q: torch.Tensor, counts: list[int], cu: np.ndarray, feeds: list[Feed],
                     width: int, most: int) -> torch.Tensor:

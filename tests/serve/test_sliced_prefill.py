@@ -88,3 +88,19 @@ def test_on_a_gpu_the_kernels_give_the_same_logits_in_slices(paged_store, mode):
         for want, got in zip(whole, in_slices):
             want, got = (torch.cat(list(x)) if isinstance(x, list) else x for x in (want, got))
             torch.testing.assert_close(got.float().cpu(), want.float().cpu(), rtol=1e-3, atol=1e-3)
+
+
+def test_the_probe_measures_a_prompt_too_long_for_its_memory_a_piece_of_its_tokens_at_a_time(paged_store, tiny,
+                                                                                             monkeypatch):
+    from lazyrag.serve.runner import AttentionProbe
+
+    recompute = Recompute(0.5, "attention", layer=1)
+    whole = run(tiny, paged_store, "lazy", recompute, 1 << 20)
+    monkeypatch.setattr(AttentionProbe, "GROUP_BYTES", 64 << 10)  # a few of the prompt's tokens at a time
+    pieces = []
+    group_mass = AttentionProbe._group_mass
+    monkeypatch.setattr(AttentionProbe, "_group_mass", lambda self, *a: pieces.append(a[3]) or group_mass(self, *a))
+    in_pieces = run(tiny, paged_store, "lazy", recompute, 1 << 20)
+    assert len(pieces) > 4 and all(len(cu) == 2 for cu in pieces)  # one feed, a piece of its tokens, at a time
+    for want, got in zip(whole[1], in_pieces[1]):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
