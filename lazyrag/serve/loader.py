@@ -3,8 +3,10 @@
 The look-ahead names the chunks coming requests need, in the order they will need them. Reads
 start in that order on reader threads while the bytes read ahead and not yet loaded stay within
 a budget (on a GPU, the pinned staging buffers they land in), and every load that consumes one
-starts the next, so the store is read while the GPU works. Each chunk read is itself split into
-pieces read in parallel (lazyrag/store/parallel_reads.py). Host to GPU copies go on their own
+starts the next, so the store is read while the GPU works. Each read takes one whole chunk on
+one of at most half the cores (`chunk_read_threads`): on an H200 machine (16 cores) 8 threads
+so read 24 GB/s and slowed the step loop's launches 1.5x, where 16 threads reading 4 MB pieces
+slowed them 28x (scripts/bench_read_contention.py). Host to GPU copies go on their own
 CUDA stream and wait for nothing on the compute stream: the pages they fill are free, so no
 kernel in flight reads them (the engine drains the GPU before it frees pages a failed step may
 still touch). Compute waits only for the copy of a chunk it is about to read (`after_copy`).
@@ -17,6 +19,7 @@ load cost.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections import OrderedDict, deque
@@ -164,18 +167,24 @@ class _Read:
     future: Future | None = None
 
 
+def chunk_read_threads() -> int:
+    """Chunk reads at once: half the cores (at most 8), at least 2, so the step loop keeps a core."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 2
+    return max(2, min(8, cores // 2))
+
+
 class ChunkLoader:
     """Reads chunks from the store into pool pages (the `Loader` the engine uses).
 
-    read_threads: chunk reads at once (each split into pieces on the store's readers);
+    read_threads: chunk reads at once (default: chunk_read_threads());
     staging_bytes: the most bytes read ahead and not yet loaded (on a GPU, the pinned staging
     buffers, one per chunk, pinned when first used)."""
 
-    def __init__(self, store: Store, pool: PagePool, host_cache_bytes: float = 0, read_threads: int = 4,
+    def __init__(self, store: Store, pool: PagePool, host_cache_bytes: float = 0, read_threads: int | None = None,
                  staging_bytes: int = 4 << 30):
         self.store, self.pool = store, pool
         self.host = _HostTier(int(host_cache_bytes))
-        self.reader = ThreadPoolExecutor(read_threads, thread_name_prefix="lazyrag-read")
+        self.reader = ThreadPoolExecutor(read_threads or chunk_read_threads(), thread_name_prefix="lazyrag-read")
         self.pending: dict[str, _Read] = {}  # reads started by the look-ahead and not loaded yet
         self.wanted: list[ChunkInfo] = []    # the look-ahead's chunks not started yet, in need order
         self.budget, self.ahead_bytes = staging_bytes, 0
@@ -273,7 +282,7 @@ class ChunkLoader:
         else:
             read.buf = self.staging.writable(read.slot)
             out = read.buf[: read.nbytes].view(dtype).view(shape)
-        return self.store.read_kv(read.info, out=out)
+        return self.store.read_kv(read.info, out=out, whole=True)
 
     def _wait_read(self, info: ChunkInfo, report: LoadReport) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The chunk's KV read from the store (by the look-ahead, or now), and its staging buffer."""

@@ -187,6 +187,9 @@ class _Segment:
     handle: Any = None  # open while the segment's chunks are read as byte ranges
 
 
+_IN_CALLER = ParallelReads(1)
+
+
 class SegmentReader:
     """Reads chunks' KV from the segments of the store at ``root``; keeps each segment's file open.
     ``files``: where the segment files are (default: the store directory ``root``); ``reads``: the
@@ -226,13 +229,15 @@ class SegmentReader:
             return None
         return seg.file, seg.data_start + chunk.offset * self._row_bytes, chunk.padded_length * self._row_bytes
 
-    def read_kv(self, chunk: ChunkInfo, out: torch.Tensor | None = None) -> torch.Tensor:
+    def read_kv(self, chunk: ChunkInfo, out: torch.Tensor | None = None, whole: bool = False) -> torch.Tensor:
         """A chunk's KV: ``[padded_length, num_layers, 2, num_kv_heads, head_dim]`` in
         the logical dtype, or packed fp8 rows (``rows_dtype``, ``row_shape``) (K rotated at
         chunk-local positions, then V). Rows past
         ``length`` are padding, as the writer gave them. With ``out`` (a contiguous CPU tensor of that
         shape and dtype, e.g. pinned memory) the data is read into it and it is returned.
-        Safe to call from several threads.
+        Safe to call from several threads. ``whole``: read in one piece on the calling thread, for
+        a caller that reads many chunks at once on threads of its own (pieces on more threads than
+        that only contend with it for the cores and the GIL).
         """
         s = self.settings
         shape = (chunk.padded_length, *s.row_shape)
@@ -248,7 +253,7 @@ class SegmentReader:
         try:
             seg = self._segment(chunk.segment)
             if seg.contiguous and seg.handle is not None:
-                reads = self._reads or shared_reads()
+                reads = _IN_CALLER if whole else self._reads or shared_reads()
                 got = reads.read(lambda view, offset: self._files.read_into(seg.handle, view, offset),
                                  memoryview(buf), seg.data_start + chunk.offset * self._row_bytes)
             else:

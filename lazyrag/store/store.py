@@ -269,10 +269,10 @@ class Store:
         for a store on object storage the local cache that holds its catalog."""
         return self._storage.local_dir
 
-    def read_kv(self, chunk: ChunkInfo, out: torch.Tensor | None = None) -> torch.Tensor:
+    def read_kv(self, chunk: ChunkInfo, out: torch.Tensor | None = None, whole: bool = False) -> torch.Tensor:
         """A chunk's KV: ``[padded_length, num_layers, 2, num_kv_heads, head_dim]`` in
         the logical dtype; see :meth:`SegmentReader.read_kv`. Safe to call from several threads."""
-        return self._segments.read_kv(chunk, out)
+        return self._segments.read_kv(chunk, out, whole)
 
     # -- run log and summary -----------------------------------------------------
 

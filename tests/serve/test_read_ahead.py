@@ -22,6 +22,7 @@ class HeldReads:
         self.store, self.settings = store, store.settings
         self.gates: dict[str, threading.Event] = {}
         self.lock = threading.Lock()
+        self.whole: list[bool] = []
 
     def max_padded_length(self) -> int:
         return self.store.max_padded_length()
@@ -30,9 +31,10 @@ class HeldReads:
         for info in infos:
             self._gate(info.chunk_id).set()
 
-    def read_kv(self, info, out=None):
+    def read_kv(self, info, out=None, whole=False):
         self._gate(info.chunk_id).wait(timeout=30)
-        return self.store.read_kv(info, out=out)
+        self.whole.append(whole)
+        return self.store.read_kv(info, out=out, whole=whole)
 
     def _gate(self, chunk_id: str) -> threading.Event:
         with self.lock:
@@ -75,6 +77,7 @@ def test_reads_ahead_start_in_need_order_within_the_budget(tmp_path, tiny):
     assert reading() == [c5.chunk_id, c6.chunk_id]
     held.release(c5, c6)
     loader.close()
+    assert held.whole and all(held.whole)  # each chunk in one piece on its reader thread
     store.close()
 
 

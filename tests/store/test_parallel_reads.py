@@ -72,6 +72,7 @@ def test_a_chunk_read_in_pieces_is_the_bytes_written(tmp_path):
     reader = SegmentReader(path, s, reads=ParallelReads(threads=3, piece_bytes=1000))
     for i, info in enumerate(infos):
         np.testing.assert_array_equal(reader.read_kv(info).numpy(), rows_of(kv, s, chunks, i))
+        np.testing.assert_array_equal(reader.read_kv(info, whole=True).numpy(), rows_of(kv, s, chunks, i))
     reader.close()
 
 
@@ -88,6 +89,8 @@ def test_a_corrupt_byte_in_a_middle_piece_fails_the_chunk_read(tmp_path):
     reader = SegmentReader(path, s, reads=ParallelReads(threads=3, piece_bytes=1000))
     with pytest.raises(ChunkReadError, match=f"chunk {bad.chunk_id} .*checksum does not match") as err:
         reader.read_kv(bad)
+    with pytest.raises(ChunkReadError, match="checksum does not match"):
+        reader.read_kv(bad, whole=True)  # in one piece, checked the same
     assert err.value.corrupt and classify(err.value).code == 4  # `lazyrag` exits 4, as for any damaged chunk
     np.testing.assert_array_equal(reader.read_kv(infos[1]).numpy(), rows_of(kv, s, chunks, 1))  # the rest reads
     reader.close()
