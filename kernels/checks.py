@@ -63,9 +63,9 @@ def check_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, pages: PageTabl
         raise ValueError(f"q must be 3-D, got {tuple(q.shape)}")
     D = q.shape[-1]
     check_pool(k_pages, v_pages, D, k_scale, v_scale)
-    if q.dtype not in DTYPES or (k_pages.dtype != FP8 and q.dtype != k_pages.dtype):
-        raise ValueError(f"q must be fp16, bf16 or fp32, and share the pages' dtype unless they are "
-                         f"float8_e4m3fn: {q.dtype}, {k_pages.dtype}, {v_pages.dtype}")
+    if q.dtype not in DTYPES or (k_pages.dtype not in (FP8, q.dtype) and q.dtype != torch.float32):
+        raise ValueError(f"q must be fp16, bf16 or fp32, and share the pages' dtype unless q is fp32 or the "
+                         f"pages float8_e4m3fn: {q.dtype}, {k_pages.dtype}, {v_pages.dtype}")
     if q.stride(-1) != 1:
         raise ValueError("q must be contiguous in its last dim")
     H, Hkv = q.shape[1], k_pages.shape[2]

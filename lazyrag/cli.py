@@ -172,10 +172,10 @@ def index(
     batch_tokens: int = typer.Option(IndexConfig.batch_tokens, min=64, help="Chunk tokens per forward pass."),
     device: str = typer.Option(IndexConfig.device, callback=_device, help=DEVICE_HELP),
     dtype: str = typer.Option(IndexConfig.dtype, "--kv-dtype", "--dtype", callback=_kv_dtype,
-                              help="The stored KV's dtype, which the model computes in: auto (bf16 on CUDA, fp32 on "
-                                   "CPU), bf16, fp16 or fp32; or fp8 (e4m3 with a scale per token and KV head: "
-                                   "about half of bf16's bytes; the model computes in auto's dtype). `answer` "
-                                   "follows the store."),
+                              help="The stored KV's dtype: auto (bf16), bf16, fp16 or fp32, which a GPU computes "
+                                   "in (the CPU computes in fp32 whatever the KV dtype); or fp8 (e4m3 with a scale "
+                                   "per token and KV head: about half of bf16's bytes; a GPU computes in bf16). "
+                                   "`answer` follows the store."),
     skip_bad: bool = typer.Option(IndexConfig.skip_bad, "--skip-bad", help="Report bad files or lines and go on."),
     trust_remote_code: bool = typer.Option(IndexConfig.trust_remote_code, help=REMOTE_CODE_HELP),
     force: bool = typer.Option(IndexConfig.force, "--force",
@@ -200,7 +200,7 @@ def index(
     given ones that differ from the store's are refused.
     """
     from lazyrag.commands.index_workers import index_corpus
-    from lazyrag.commands.preflight import STORE_OPTIONS, check_index, scan_corpus, with_store_settings
+    from lazyrag.commands.preflight import STORE_OPTIONS, check_index, scan_corpus, size_text, with_store_settings
 
     cfg = IndexConfig(corpus=corpus, store=_store(store), model=model, device=device, dtype=dtype,
                       chunk_tokens=chunk_tokens, page_size=page_size, batch_tokens=batch_tokens,
@@ -214,18 +214,22 @@ def index(
         err.print(f"[yellow]warning:[/] {escape(str(corpus))} holds no documents to index ({scan.empty} empty, "
                   f"{scan.bad} bad skipped); nothing was indexed", highlight=False)
         raise typer.Exit(3)
-    check_index(cfg, scan)
+    estimate = check_index(cfg, scan)
+    if not (as_json or quiet):
+        err.print(f"index: {escape(estimate.line())}", highlight=False)
     result = index_corpus(cfg, report=lambda m: err.print(f"[yellow]skipped:[/] {escape(m)}", highlight=False),
                          progress=not (as_json or quiet))
     if as_json:
         print(json.dumps(result.to_json()))
         return
+    size = size_text(result.store_bytes)
     if result.chunks_added == 0:
         out.print(f"nothing new: all {result.chunks_total} chunks of {result.documents_total} documents "
-                  f"are already in {result.store}")
+                  f"are already in {result.store} ({size})")
     else:
         out.print(f"added {result.chunks_added} chunks ({result.tokens_added:,} tokens) in {result.seconds:.1f}s; "
-                  f"{result.store} holds {result.chunks_total} chunks of {result.documents_total} documents")
+                  f"{result.store} holds {result.chunks_total} chunks of {result.documents_total} documents "
+                  f"({size})")
     if result.documents_empty or result.bad_skipped:
         out.print(f"skipped {result.documents_empty} empty documents and {result.bad_skipped} bad inputs")
     if result.documents_removed:

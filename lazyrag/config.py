@@ -14,7 +14,8 @@ DEFAULT_STORE = Path("lazyrag.zarr")
 # SmolLM2-135M-Instruct, shipped on PyPI as a GGUF file (lazyrag/models/loading.py fetches it)
 DEFAULT_MODEL = "smollm2-135m"
 PAGE_SIZES = (16, 32, 64, 128)  # what the attention kernels take (a power of two in 16..128)
-KV_DTYPES = ("auto", "bf16", "fp16", "fp32", "fp8")  # `index --kv-dtype`: auto is bf16 on CUDA, fp32 on the CPU
+# `index --kv-dtype`: auto is bf16 on every device (the CPU computes in fp32 over it: lazyrag/models/loading.py)
+KV_DTYPES = ("auto", "bf16", "fp16", "fp32", "fp8")
 DEVICES = "auto, cpu, cuda or cuda:N"
 ROUTINGS = ("affinity", "round-robin")  # how `answer --data-parallel` spreads queries (lazyrag/parallel/router.py)
 

@@ -1,19 +1,22 @@
 #!/usr/bin/env python
-"""Quality of an fp8 store against a store of the default KV dtype, on MuSiQue questions (CPU).
+"""Quality of a store of one KV dtype against a store of another, on MuSiQue questions (CPU).
 
-The same corpus is indexed twice with the same model: with `--kv-dtype auto` (fp32 on the CPU)
-and with `--kv-dtype fp8`. The default store answers each question greedily in lazy mode
-(lazyrag.eval.fidelity.FORCED_TOKENS new tokens at most, EOS stops); the fp8 store is then
-teacher-forced along that answer (mean KL(default || fp8) per token, top-1 agreement), answers
-greedily itself (identical answers, token F1 between the two), and both stores are
-teacher-forced along the first gold answer (mean log-likelihood per token). Each mode in
---modes is measured the same way against the default store in that mode. Both stores run with
---recompute F (default 0: the KV dtype's effect alone; `answer`'s default share, 0.1, costs
-about 30x the time on the CPU), with `answer`'s recompute policy.
+The same corpus is indexed twice with the same model: with `--against` (the reference; default
+`auto`, bf16) and with `--kv-dtype` (default fp8). The reference store answers each question
+greedily in lazy mode (lazyrag.eval.fidelity.FORCED_TOKENS new tokens at most, EOS stops); the
+other store is then teacher-forced along that answer (mean KL(reference || other) per token,
+top-1 agreement), answers greedily itself (identical answers, token F1 between the two), and
+both stores are teacher-forced along the first gold answer (mean log-likelihood per token).
+Each mode in --modes is measured the same way against the reference store in that mode. Both
+stores run with --recompute F (default 0: the KV dtype's effect alone; `answer`'s default share,
+0.1, costs about 30x the time on the CPU), with `answer`'s recompute policy.
 
-Writes docs/results/quality-fp8.json and docs/results/quality-fp8.md.
+Writes docs/results/quality-<kv-dtype>.json and .md (quality-<kv-dtype>-vs-<against> when
+--against is not auto).
 
-Usage: python scripts/eval_kv_dtype.py [--data ../shared/data] [--questions 50] [--modes lazy,block] [--recompute F]
+Usage: python scripts/eval_kv_dtype.py [--kv-dtype fp8] [--against auto] [--data ../shared/data] [--questions 50]
+       [--modes lazy,block] [--recompute F]
+  e.g. python scripts/eval_kv_dtype.py --kv-dtype bf16 --against fp32 --questions 10   (the default against fp32)
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import platform
 import shlex
 import sys
 import time
+from importlib.metadata import version
 from pathlib import Path
 
 import torch
@@ -42,7 +46,6 @@ from lazyrag.store import Store
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "docs" / "results"
-DTYPES = ("auto", "fp8")  # the default store first: the reference
 
 
 def jsonl(path: Path) -> list[dict]:
@@ -107,42 +110,49 @@ def run(side: Side, mode: str, forced: list[list[int]] | None, args) -> dict:
     return out
 
 
-def compare(mode: str, ref: dict, fp8: dict, forced: list[list[int]]) -> dict:
-    kl = torch.cat([token_kl(a, b) for a, b in zip(ref["logits"], fp8["logits"]) if len(a)])
-    top1 = torch.cat([top1_matches(a, b) for a, b in zip(ref["logits"], fp8["logits"]) if len(a)])
-    same = agreement(fp8["answers"], ref["answers"])
+def compare(mode: str, ref: dict, other: dict, forced: list[list[int]]) -> dict:
+    kl = torch.cat([token_kl(a, b) for a, b in zip(ref["logits"], other["logits"]) if len(a)])
+    top1 = torch.cat([top1_matches(a, b) for a, b in zip(ref["logits"], other["logits"]) if len(a)])
+    same = agreement(other["answers"], ref["answers"])
     return {"mode": mode, "questions": len(forced), "tokens": int(kl.numel()), "kl_mean": float(kl.mean()),
             "top1_agreement": float(top1.float().mean()), "identical": same["identical"],
-            "f1_between": same["f1_to_full"], "gold_loglik_default": sum(ref["gold"]) / len(ref["gold"]),
-            "gold_loglik_fp8": sum(fp8["gold"]) / len(fp8["gold"]),
-            "seconds": {"default": round(ref["seconds"], 1), "fp8": round(fp8["seconds"], 1)}}
+            "f1_between": same["f1_to_full"], "gold_loglik_reference": sum(ref["gold"]) / len(ref["gold"]),
+            "gold_loglik_other": sum(other["gold"]) / len(other["gold"]),
+            "seconds": {"reference": round(ref["seconds"], 1), "other": round(other["seconds"], 1)}}
 
 
 def report(res: dict) -> str:
     h = res["header"]
-    lines = ["# fp8 KV against the default KV dtype", "", f"`{h['command']}`", "",
-             f"{h['date']}; model {h['model']}; device {h['device']}; torch {h['torch']}; {h['questions']} MuSiQue "
-             f"questions (file order), each over the 10 paragraphs it names; greedy, "
+    ref, other = h["against"], h["kv_dtype"]
+    rb = h["row_bytes"]
+
+    def label(d: str) -> str:
+        return f"{d} ({h['stored'][d]})" if d == "auto" else d
+
+    lines = [f"# {other} KV against {ref} KV", "", f"`{h['command']}`", "",
+             f"{h['date']}; model {h['model']}; device {h['device']}; torch {h['torch']}; lazyrag {h['lazyrag']}; "
+             f"{h['questions']} MuSiQue questions (file order), each over the 10 paragraphs it names; greedy, "
              f"{h['forced_tokens']} new tokens at most; recompute {h['recompute']}.", "",
-             f"Store bytes per token: default {h['row_bytes']['auto']:,}, fp8 {h['row_bytes']['fp8']:,} "
-             f"({h['row_bytes']['fp8'] / h['row_bytes']['auto']:.1%}; {h['row_bytes']['fp8'] / h['row_bytes']['bf16']:.1%} "
-             f"of bf16's {h['row_bytes']['bf16']:,}).", "",
-             "| mode | KL mean | top-1 agreement | identical answers | F1 between answers | gold log-lik / token "
-             "(default) | gold log-lik / token (fp8) | seconds (default / fp8) |",
+             f"Store bytes per token: {label(ref)} {rb[ref]:,}, {label(other)} {rb[other]:,} "
+             f"({rb[other] / rb[ref]:.1%}; {rb[other] / rb['bf16']:.1%} of bf16's {rb['bf16']:,}).", "",
+             f"| mode | KL mean | top-1 agreement | identical answers | F1 between answers | gold log-lik / token "
+             f"({ref}) | gold log-lik / token ({other}) | seconds ({ref} / {other}) |",
              "|---|---|---|---|---|---|---|---|"]
     for r in res["rows"]:
-        lines.append(f"| {r['mode']} | {r['kl_mean']:.4f} | {r['top1_agreement']:.3f} | {r['identical']:.1%} | "
-                     f"{r['f1_between']:.3f} | {r['gold_loglik_default']:.3f} | {r['gold_loglik_fp8']:.3f} | "
-                     f"{r['seconds']['default']:.0f} / {r['seconds']['fp8']:.0f} |")
-    lines += ["", "KL: mean KL(default || fp8) per token in nats, teacher-forced along the default store's greedy "
-              "answer in that mode; top-1 agreement: share of those tokens where the fp8 store's argmax is the "
-              "default's; identical / F1: the two stores' own greedy answers (SQuAD-normalised); gold log-lik: "
+        lines.append(f"| {r['mode']} | {r['kl_mean']:.3g} | {r['top1_agreement']:.3f} | {r['identical']:.1%} | "
+                     f"{r['f1_between']:.3f} | {r['gold_loglik_reference']:.3f} | {r['gold_loglik_other']:.3f} | "
+                     f"{r['seconds']['reference']:.0f} / {r['seconds']['other']:.0f} |")
+    lines += ["", f"KL: mean KL({ref} || {other}) per token in nats, teacher-forced along the {ref} store's greedy "
+              f"answer in that mode; top-1 agreement: share of those tokens where the {other} store's argmax is the "
+              f"{ref} store's; identical / F1: the two stores' own greedy answers (SQuAD-normalised); gold log-lik: "
               "mean log-probability per token of the first gold answer.", ""]
     return "\n".join(lines)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--kv-dtype", default="fp8", help="the store measured (index --kv-dtype)")
+    ap.add_argument("--against", default="auto", help="the reference store's --kv-dtype")
     ap.add_argument("--data", type=Path, default=ROOT.parent / "shared" / "data")
     ap.add_argument("--work", type=Path, default=Path("/tmp/lazyrag-kv-dtype"), help="the two stores")
     ap.add_argument("--questions", type=int, default=50)
@@ -152,30 +162,36 @@ def main() -> None:
     ap.add_argument("--recompute", type=float, default=0.0, help="share of chunk pages recomputed (answer --recompute)")
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--cache-gb", type=float, default=3.0)
-    ap.add_argument("--out", type=Path, default=RESULTS, help="where quality-fp8.json and .md go")
+    ap.add_argument("--out", type=Path, default=RESULTS, help="where the .json and .md go")
     args = ap.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     corpus, queries = musique(args)
-    default, fp8 = (Side(d, corpus, queries, args) for d in DTYPES)
+    if args.kv_dtype == args.against:
+        ap.error("--kv-dtype and --against name the same dtype")
+    reference, other = (Side(d, corpus, queries, args) for d in (args.against, args.kv_dtype))
     rows = []
     for mode in args.modes.split(","):
-        ref = run(default, mode, None, args)
-        forced = [ref["ids"][r.id] for r in default.requests]
-        rows.append(compare(mode, ref, run(fp8, mode, forced, args), forced))
+        ref = run(reference, mode, None, args)
+        forced = [ref["ids"][r.id] for r in reference.requests]
+        rows.append(compare(mode, ref, run(other, mode, forced, args), forced))
         print(json.dumps(rows[-1]), flush=True)
     cfg = AnswerConfig(queries=Path("-"))
     res = {"header": {"command": "python scripts/eval_kv_dtype.py " + shlex.join(sys.argv[1:]),
-                      "date": time.strftime("%Y-%m-%d"), "model": args.model, "questions": len(default.requests),
+                      "date": time.strftime("%Y-%m-%d"), "model": args.model, "questions": len(reference.requests),
+                      "kv_dtype": args.kv_dtype, "against": args.against,
+                      "stored": {s.dtype: s.store.settings.kv_dtype for s in (reference, other)},
                       "device": f"{args.device} ({platform.processor() or platform.machine()}, "
-                                f"{torch.get_num_threads()} threads), computing in {default.loaded.dtype}",
-                      "torch": torch.__version__, "forced_tokens": FORCED_TOKENS,
+                                f"{torch.get_num_threads()} threads), computing in "
+                                f"{str(reference.loaded.dtype).removeprefix('torch.')}",
+                      "torch": torch.__version__, "lazyrag": version("lazyrag"), "forced_tokens": FORCED_TOKENS,
                       "recompute": f"{args.recompute:g}" + (f" ({cfg.recompute_policy})" if args.recompute else ""),
-                      "row_bytes": {**{s.dtype: s.store.settings.row_bytes for s in (default, fp8)},
-                                    "bf16": dataclasses.replace(fp8.store.settings, kv_dtype="bfloat16").row_bytes}},
+                      "row_bytes": {**{s.dtype: s.store.settings.row_bytes for s in (reference, other)},
+                                    "bf16": dataclasses.replace(other.store.settings, kv_dtype="bfloat16").row_bytes}},
            "rows": rows}
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "quality-fp8.json").write_text(json.dumps(res, indent=1))
-    (args.out / "quality-fp8.md").write_text(report(res))
+    stem = f"quality-{args.kv_dtype}" + ("" if args.against == "auto" else f"-vs-{args.against}")
+    (args.out / f"{stem}.json").write_text(json.dumps(res, indent=1))
+    (args.out / f"{stem}.md").write_text(report(res))
     print(report(res))
 
 

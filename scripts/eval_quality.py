@@ -446,10 +446,11 @@ def table(split: dict) -> list[str]:
     return lines + [""]
 
 
-def header(args) -> dict:
+def header(args, loaded: LoadedModel) -> dict:
+    dtypes = f"computing in {str(loaded.dtype).removeprefix('torch.')}, {str(loaded.kv_dtype).removeprefix('torch.')} KV"
     return {"command": "python scripts/eval_quality.py " + shlex.join(sys.argv[1:]),
             "date": time.strftime("%Y-%m-%d"), "model": f"{DEFAULT_MODEL} (SmolLM2-135M-Instruct, Q4_1 GGUF dequantised)",
-            "device": f"{args.device} ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads), fp32",
+            "device": f"{args.device} ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads), {dtypes}",
             "versions": {"python": platform.python_version(), "torch": torch.__version__,
                          "transformers": transformers.__version__},
             "forced_tokens": FORCED_TOKENS, "batch_size": args.batch_size, "policies": policies(),
@@ -526,7 +527,7 @@ def main() -> None:
     loaded = load_model(DEFAULT_MODEL, args.device)
     if args.held_out:
         res = json.loads((RESULTS / "quality-recompute.json").read_text())
-        res.setdefault("held_out", {})[args.held_out] = header(args)
+        res.setdefault("held_out", {})[args.held_out] = header(args, loaded)
         name = "news" if args.held_out == "news" else "musique-report"
         res["splits"] = {k: v for k, v in res["splits"].items() if not k.startswith(name)}  # replaced, not kept
         queries = news_queries(args) if args.held_out == "news" else musique_queries(args, selection=False)
@@ -537,7 +538,7 @@ def main() -> None:
         run_split(split, configs, loaded, args, res)
         print(report(res))
         return
-    res = {"header": header(args), "splits": {}}
+    res = {"header": header(args, loaded), "splits": {}}
     select, report_musique = splits_of("musique", musique_queries(args), loaded, args, halves=True)
     check = args.work / "results" / "reference-check.json"
     if not check.exists():

@@ -35,6 +35,14 @@ def tiny():
 
 
 @pytest.fixture(scope="session")
+def tiny_bf16():
+    """random:tiny as `--kv-dtype auto` loads it on the CPU: it computes in fp32, its KV is bf16."""
+    from lazyrag.models import load_model
+
+    return load_model("random:tiny", device="cpu", dtype="auto")
+
+
+@pytest.fixture(scope="session")
 def tiny_fp8():
     """random:tiny for fp8 stores: it computes in fp32, its KV pages are e4m3 with their scales."""
     from lazyrag.models import load_model

@@ -46,6 +46,7 @@ class IndexResult:
     documents_empty: int
     bad_skipped: int
     seconds: float
+    store_bytes: int = 0  # the store's size on disk (or on object storage) after the run
     chunks_repaired: int = 0  # damaged chunks (corrupt or missing data) encoded again
     documents_removed: list[str] = field(default_factory=list)  # --sync: no longer in the corpus
     retrieval_rebuilt: bool = False  # the saved BM25 index was stale or damaged and was built again
@@ -122,8 +123,12 @@ class ChunkEncoder:
         cfg = loaded.cfg
         self.preamble_len = len(preamble_ids)
         pre_pages = -(-self.preamble_len // page_size)
+        # the pool holds the store's dtype, so a chunk's layers read its KV as answering will (a CPU model
+        # computes in fp32 over bf16 pages); an fp8 store's chunks are encoded in the compute dtype and
+        # quantised once encoded (stored_rows)
+        pool_dtype = loaded.dtype if loaded.kv_dtype == kernels.FP8 else loaded.kv_dtype
         self.pool = PagePool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, pre_pages + batch_pages, page_size,
-                             loaded.dtype, loaded.device)
+                             pool_dtype, loaded.device)
         self.sm_scale = cfg.head_dim ** -0.5
         self.preamble = page_rows(self.pool.alloc(pre_pages), 0, self.preamble_len, 0, page_size)
         self._forward([Feed(self.preamble, 0, 0, 0, preamble_ids)])
@@ -361,7 +366,7 @@ def index_result(cfg: IndexConfig, store: Store, todo: dict[str, NewChunk], dama
         store=str(cfg.store), chunks_added=len(todo), chunks_total=summary["chunks"],
         tokens_added=sum(len(c.token_ids) for c in todo.values()), tokens_total=summary["tokens"],
         documents_total=summary["documents"], documents_empty=stats.empty_skipped, bad_skipped=stats.bad_skipped,
-        seconds=round(time.perf_counter() - t0, 3), chunks_repaired=len(damaged & todo.keys()),
+        seconds=round(time.perf_counter() - t0, 3), store_bytes=summary["bytes"], chunks_repaired=len(damaged & todo.keys()),
         retrieval_rebuilt=retrieval_rebuilt, documents_removed=removed or [],
         write_wait_s=round(times.wait_s, 3), writer_copy_s=round(times.copy_s, 3),
         writer_store_s=round(times.store_s, 3),

@@ -15,7 +15,7 @@ from lazyrag.commands.index_workers import worker_devices
 from lazyrag.config import IndexConfig
 from lazyrag.corpus import CorpusStats, read_corpus
 from lazyrag.errors import ResourceError
-from lazyrag.models.loading import model_config, resolve_device, resolve_dtype
+from lazyrag.models.loading import model_config, resolve_dtype
 from lazyrag.store import FP8_KV, Store, StoreError, kv_row_bytes
 from lazyrag.store.format import read_root_attributes
 
@@ -36,9 +36,27 @@ class CorpusScan:
 @dataclass(frozen=True)
 class SizeEstimate:
     tokens: int
-    kv_bytes: int  # the whole corpus's KV, page padding included
-    free_bytes: int
-    where: Path    # the directory whose filesystem holds the store
+    kv_bytes: int          # the whole corpus's KV, page padding included
+    kv_dtype: str          # the store's (torch's name)
+    row_bytes: int         # KV bytes per token in it (StoreSettings.row_bytes)
+    stored_bytes: int      # KV the store holds already (re-indexing adds only the rest)
+    free_bytes: int | None  # on the filesystem that holds the store; None on object storage
+    where: Path | None     # the directory whose filesystem holds the store
+
+    @property
+    def needed_bytes(self) -> int:
+        return max(0, self.kv_bytes - self.stored_bytes)
+
+    def line(self) -> str:
+        """What `index` prints before it starts."""
+        dtype = KV_DTYPE_OPTION.get(self.kv_dtype, self.kv_dtype)
+        text = (f"about {size_text(self.kv_bytes)} of KV for ~{self.tokens:,} tokens ({dtype}, "
+                f"{size_text(self.row_bytes)} per token)")
+        if self.stored_bytes:
+            text += f", {size_text(self.needed_bytes)} of it not stored yet"
+        if self.free_bytes is not None:
+            text += f"; {size_text(self.free_bytes)} free on {self.where}"
+        return text
 
 
 # `index` options a store records, and the --kv-dtype that names each stored dtype
@@ -68,10 +86,10 @@ def scan_corpus(cfg: IndexConfig) -> CorpusScan:
     return CorpusScan(stats.documents, stats.empty_skipped, stats.bad_skipped, text_bytes)
 
 
-def check_index(cfg: IndexConfig, scan: CorpusScan) -> SizeEstimate | None:
+def check_index(cfg: IndexConfig, scan: CorpusScan) -> SizeEstimate:
     """Refuse --chunk-tokens above the model's context and more --workers than GPUs (usage
     errors), and a store the disk cannot hold (ResourceError, unless cfg.force); returns the
-    size estimate (None for a store on object storage: no local disk to fill)."""
+    size estimate (without free space for a store on object storage: no local disk to fill)."""
     worker_devices(cfg.device, cfg.workers)
     if cfg.sync and not isinstance(cfg.store, Path):
         raise click.BadParameter("is not supported on object storage yet (its manifest log records no removal)",
@@ -86,20 +104,22 @@ def check_index(cfg: IndexConfig, scan: CorpusScan) -> SizeEstimate | None:
         raise click.BadParameter(f"{cfg.chunk_tokens} is above the context of {cfg.model} "
                                  f"({mc.max_position_embeddings} tokens); use at most that",
                                  param_hint="'--chunk-tokens'")
-    if not isinstance(cfg.store, Path):
-        return None
-    dtype = str(resolve_dtype(cfg.dtype, resolve_device(cfg.device))).removeprefix("torch.")
+    dtype = str(resolve_dtype(cfg.dtype)).removeprefix("torch.")
     per_token = kv_row_bytes(dtype, mc.num_layers, mc.num_kv_heads, mc.head_dim)
     tokens = -(-scan.text_bytes // (1 if mc.vocab_size <= BYTE_VOCAB else BYTES_PER_TOKEN))
     chunks = scan.documents + tokens // cfg.chunk_tokens
     kv_bytes = (tokens + chunks * cfg.page_size) * per_token  # each chunk pads up to a page
+    if not isinstance(cfg.store, Path):  # object storage: no local disk to fill
+        return SizeEstimate(tokens, kv_bytes, dtype, per_token, 0, None, None)
     where = _existing_ancestor(cfg.store)
-    estimate = SizeEstimate(tokens, kv_bytes, shutil.disk_usage(where).free, where)
-    need = kv_bytes - _stored_kv_bytes(cfg.store)
-    if not cfg.force and need > estimate.free_bytes:
+    estimate = SizeEstimate(tokens, kv_bytes, dtype, per_token, _stored_kv_bytes(cfg.store),
+                            shutil.disk_usage(where).free, where)
+    if not cfg.force and estimate.needed_bytes > estimate.free_bytes:
+        smaller = "" if dtype == FP8_KV else ", --kv-dtype fp8 (about half of bf16's bytes)"
         raise ResourceError(
-            f"{cfg.store} needs about {_size(need)} for the KV of ~{tokens:,} tokens ({dtype}), but {where} "
-            f"has {_size(estimate.free_bytes)} free; free some space, choose another --store, or pass --force")
+            f"{cfg.store} needs about {size_text(estimate.needed_bytes)} for the KV of ~{tokens:,} tokens "
+            f"({KV_DTYPE_OPTION[dtype]}, {size_text(per_token)} per token), but {where} has "
+            f"{size_text(estimate.free_bytes)} free; free some space, choose another --store{smaller}, or pass --force")
     return estimate
 
 
@@ -118,5 +138,9 @@ def _stored_kv_bytes(path: Path) -> int:
         return store.summary()["kv_bytes"]
 
 
-def _size(n: float) -> str:
-    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+def size_text(n: float) -> str:
+    """Bytes for people: 1.2 GiB, 310.5 MiB, 22.5 KiB, 512 B."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{int(n)} B"

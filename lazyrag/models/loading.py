@@ -36,8 +36,8 @@ SMOLLM_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 LAYOUT_VERSION = 1  # bump when the meaning of stored K/V changes
 SMOLLM2_CONTEXT = 8192  # the default model's max_position_embeddings, known before it is fetched
 
-# KV dtypes: the model computes in each, except fp8, which only stores KV (the model then
-# computes in auto's dtype)
+# KV dtypes. On a GPU the model computes in each, except fp8, which only stores KV (the model
+# then computes in bf16); on the CPU it computes in fp32 whatever the KV dtype (compute_dtype)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp8": torch.float8_e4m3fn,
           # the names a store records (torch's own), so a store's KV dtype can be passed straight in
           "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
@@ -56,8 +56,8 @@ class LoadedModel:
     hf_config: object
     fingerprint: str
     device: torch.device
-    dtype: torch.dtype     # the model computes in it
-    kv_dtype: torch.dtype  # its KV is stored in it: dtype, or fp8
+    dtype: torch.dtype     # the model computes in it (compute_dtype)
+    kv_dtype: torch.dtype  # its KV is stored, and held in page pools, in it
 
     @property
     def cfg(self) -> ModelConfig:
@@ -85,25 +85,31 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """The KV dtype a --kv-dtype names on ``device``."""
+def resolve_dtype(dtype: str) -> torch.dtype:
+    """The KV dtype a --kv-dtype names: auto is bf16 on every device (on the CPU the
+    model still computes in fp32: compute_dtype)."""
     if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return torch.bfloat16
     if dtype not in DTYPES:
         raise ModelError(f"unknown --kv-dtype {dtype!r}; choose auto, bf16, fp16, fp32 or fp8")
     return DTYPES[dtype]
 
 
 def compute_dtype(kv_dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """What the model computes in when its KV is stored in kv_dtype."""
-    return resolve_dtype("auto", device) if kv_dtype == torch.float8_e4m3fn else kv_dtype
+    """What the model computes in when its KV is stored in kv_dtype: on a GPU the KV dtype itself
+    (bf16 for fp8, which only stores); on the CPU always fp32, which its matrix products need
+    for speed and precision: KV is cast to kv_dtype as it is written to a page pool and read
+    back up to fp32 by the attention (kernels/reference.py)."""
+    if device.type != "cuda":
+        return torch.float32
+    return torch.bfloat16 if kv_dtype == torch.float8_e4m3fn else kv_dtype
 
 
 def load_model(name: str = DEFAULT_MODEL, device: str = "auto", dtype: str = "auto",
                trust_remote_code: bool = False) -> LoadedModel:
-    """``dtype``: the KV dtype (module DTYPES, or auto); the model computes in it, or in auto's for fp8."""
+    """``dtype``: the KV dtype (module DTYPES, or auto); the model computes in compute_dtype's."""
     dev = resolve_device(device)
-    kv_dt = resolve_dtype(dtype, dev)
+    kv_dt = resolve_dtype(dtype)
     if kv_dt == torch.float8_e4m3fn and dev.type == "cuda":
         cap = torch.cuda.get_device_capability(dev)
         if not fp8_supported(cap):

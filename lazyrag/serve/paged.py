@@ -3,7 +3,8 @@
 `PagePool` is the memory: one tensor [2 (k/v), layers, num_pages, page_size,
 kv_heads, head_dim] and a free list (k/v outermost, so all layers' key pages form
 one [layers * num_pages, ...] array: block mode copies every layer in one launch).
-A pool of an fp8 store holds e4m3 pages and one fp32 scale per (token, KV head) row
+The pool holds the store's KV dtype, whatever the model computes in (on the CPU fp32 over
+bf16 pages: each step's new K/V is cast as it is written). A pool of an fp8 store holds e4m3 pages and one fp32 scale per (token, KV head) row
 beside them, [2, layers, num_pages, page_size, kv_heads]; the request's own tokens are
 quantised the same way as they are written, so one pool holds one dtype.
 In serving, the chunk cache is the only thing that allocates and releases its pages.
@@ -121,10 +122,11 @@ class PagePool:
 
     def write_slots(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """A step's new K and V [tokens, kv_heads, head_dim] into their slots (page * page_size +
-        offset) of `layer`; an fp8 pool quantises each (token, KV head) row as the store does."""
+        offset) of `layer`, cast to the pool's dtype (a CPU model computes in fp32 over a bf16 pool);
+        an fp8 pool quantises each (token, KV head) row as the store does."""
         for kv, pages, scales in zip((k, v), self.layer(layer), self.layer_scales(layer)):
             if scales is None:
-                pages.view(-1, *pages.shape[2:])[slots] = kv
+                pages.view(-1, *pages.shape[2:])[slots] = kv.to(pages.dtype)
             else:
                 values, scale = kernels.quantize_fp8(kv)
                 pages.view(-1, *pages.shape[2:])[slots] = values

@@ -90,7 +90,7 @@ def test_a_segment_without_its_manifest_is_never_visible_and_index_completes_it(
 def test_an_s3_store_refuses_another_model_and_compaction(s3_url, tmp_path):
     index_docs(s3_url, tmp_path, "mars")
     stored = stats(s3_url)["store"]["fingerprint"]
-    res = cli("index", tmp_path / "corpus.jsonl", "--store", s3_url, *TINY, "--dtype", "bf16",
+    res = cli("index", tmp_path / "corpus.jsonl", "--store", s3_url, *TINY, "--dtype", "fp32",
               "--chunk-tokens", "256", "-q")
     assert res.exit_code == 4
     assert stored[:12] in res.stderr.replace("\n", "") and "model fingerprint" in res.stderr

@@ -47,14 +47,26 @@ def test_a_full_disk_while_answering_keeps_the_rows_written_and_the_run_resumes(
 
 
 def test_index_refuses_a_store_the_disk_cannot_hold_unless_forced(tmp_path, monkeypatch):
+    """Before the model loads and before anything is written, naming the size and the free space."""
+    from lazyrag.commands import index as index_command
+    from lazyrag.models import loading
+
     corpus = write_jsonl(tmp_path / "c.jsonl", {"id": "a", "text": "Text to index. " * 200})
     real = shutil.disk_usage
     monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=100_000))
-    res = cli("index", corpus, "--store", tmp_path / "s.zarr", *TINY, "-q")
+    real_load = loading.load_model
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was loaded before the disk check refused the store")
+
+    monkeypatch.setattr(index_command, "load_model", no_model)
+    res = cli("index", corpus, "--store", tmp_path / "s.zarr", *TINY)
     assert res.exit_code == 5
     message = res.stderr.strip()
     assert "needs about" in message and "--force" in message and len(message.splitlines()) == 1
+    assert "(bf16, 1.0 KiB per token)" in message and "97.7 KiB free" in message, message  # random:tiny: 1,024 B
     assert not (tmp_path / "s.zarr").exists()
+    monkeypatch.setattr(index_command, "load_model", real_load)
     res = cli("index", corpus, "--store", tmp_path / "s.zarr", *TINY, "-q", "--force")
     assert res.exit_code == 0, res.output
 

@@ -110,7 +110,7 @@ def test_index_encodes_the_chunks_of_a_truncated_or_missing_segment_again(indexe
 
 def test_a_document_cut_off_by_a_kill_is_not_answered_or_counted(indexed, tmp_path):
     corpus, store, index = indexed
-    loaded = load_model("random:tiny", "cpu", "fp32")
+    loaded = load_model("random:tiny", "cpu")  # the store's: auto's bf16
     with Store.open(store) as st:
         settings = st.settings
     long = stored_chunks(Document("late", SIX.replace("river", "lake"), None, "c.jsonl:3"), loaded.tokenizer, settings)
@@ -118,7 +118,7 @@ def test_a_document_cut_off_by_a_kill_is_not_answered_or_counted(indexed, tmp_pa
     with Store.create_or_open(store, settings) as st:  # as an index killed after its first chunk
         st.put_documents(long)
         rows = settings.padded(len(long[0].token_ids))
-        st.append(long[:1], kv_to_storage(torch.zeros(rows, *settings.row_shape)))
+        st.append(long[:1], kv_to_storage(torch.zeros(rows, *settings.row_shape, dtype=loaded.kv_dtype)))
     stats = json.loads(lazyrag("stats", "--store", store, "--json").output)
     assert stats["store"]["documents"] == 2
     queries = tmp_path / "q.jsonl"

@@ -299,3 +299,58 @@ def test_decode_interp_tma(interp, name, kw, rotate):
                                   out=torch.full_like(c.q, float("nan")), tma=True, block_h=block_h, num_splits=2)
         assert not torch.isnan(got).any(), "unwritten output elements"
         assert rel_err(got, want) < tol(c.q.dtype), rel_err(got, want)
+
+
+# ----------------------------------------------- fp32 queries over 16-bit pages (a CPU model over bf16 KV)
+
+
+def upcast_pages_case(c: Case, dtype: torch.dtype) -> tuple[Case, Case]:
+    """The case with its pages rounded to ``dtype`` (queries left fp32), and the same rounded pages in fp32."""
+    k, v = c.k_pages.to(dtype), c.v_pages.to(dtype)
+    low = Case(c.q, k, v, c.pages, c.cu, c.q_pos, c.inv_freq, c.sm_scale, c.lens)
+    return low, Case(c.q, k.float(), v.float(), c.pages, c.cu, c.q_pos, c.inv_freq, c.sm_scale, c.lens)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rotate", [True, False])
+def test_reference_upcasts_16_bit_pages_for_fp32_queries_exactly(dtype, rotate):
+    """What the engine runs on the CPU over a bf16 store: the reference reads the pages up to fp32 and computes
+    as over fp32 pages holding the same values, bit for bit; the output stays fp32."""
+    low, plain = upcast_pages_case(make_case(31, H=6, Hkv=2, preamble=7), dtype)
+    for fn in (kernels.lazy_prefill, reference.lazy_prefill):
+        got = fn(low.q, low.k_pages, low.v_pages, low.pages, low.cu, low.q_pos, low.inv_freq, low.sm_scale,
+                 rotate=rotate)
+        want = fn(plain.q, plain.k_pages, plain.v_pages, plain.pages, plain.cu, plain.q_pos, plain.inv_freq,
+                  plain.sm_scale, rotate=rotate)
+        assert got.dtype == torch.float32 and torch.equal(got, want)
+    one = make_case(32, q_lens=[1, 1, 1])
+    low, plain = upcast_pages_case(one, dtype)
+    got = kernels.lazy_decode(low.q, low.k_pages, low.v_pages, low.pages, low.q_pos, low.inv_freq, low.sm_scale)
+    want = kernels.lazy_decode(plain.q, plain.k_pages, plain.v_pages, plain.pages, plain.q_pos, plain.inv_freq,
+                               plain.sm_scale)
+    assert got.dtype == torch.float32 and torch.equal(got, want)
+
+
+def test_16_bit_queries_over_fp32_pages_are_refused():
+    """A query is never cast down to meet its pages: only fp32 queries may read pages of another dtype."""
+    c = make_case(33)
+    with pytest.raises(ValueError, match="share the pages' dtype"):
+        kernels.lazy_prefill(c.q.to(torch.bfloat16), c.k_pages, c.v_pages, c.pages, c.cu, c.q_pos, c.inv_freq,
+                             c.sm_scale)
+    with pytest.raises(ValueError, match="share the pages' dtype"):
+        kernels.lazy_prefill(c.q.half(), c.k_pages.to(torch.bfloat16), c.v_pages.to(torch.bfloat16), c.pages,
+                             c.cu, c.q_pos, c.inv_freq, c.sm_scale)
+
+
+@pytest.mark.parametrize("rotate", [True, False])
+def test_interp_fp32_queries_over_bf16_pages(interp, rotate):
+    """The Triton kernels convert the pages to the query's dtype in registers: fp32 queries over bf16 pages
+    match the reference to fp32's tolerance, in prefill and in decode."""
+    low, _ = upcast_pages_case(make_case(34, H=4, Hkv=2), torch.bfloat16)
+    check_prefill(low, rotate=rotate)
+    low, _ = upcast_pages_case(make_case(35, H=4, Hkv=2, q_lens=[1, 1, 1]), torch.bfloat16)
+    want = reference.lazy_decode(low.q, low.k_pages, low.v_pages, low.pages, low.q_pos, low.inv_freq, low.sm_scale,
+                                 rotate=rotate)
+    got = kernels.lazy_decode(low.q, low.k_pages, low.v_pages, low.pages, low.q_pos, low.inv_freq, low.sm_scale,
+                              rotate=rotate)
+    assert rel_err(got, want) < tol(torch.float32), rel_err(got, want)

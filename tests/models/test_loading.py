@@ -25,3 +25,17 @@ def test_unknown_models_are_refused(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "gpt2"}')
     with pytest.raises(ModelError, match="gpt2"):
         load_model(str(tmp_path), device="cpu")
+
+
+def test_auto_is_bf16_kv_on_every_device_and_the_cpu_computes_in_fp32(tiny):
+    from lazyrag.models.loading import compute_dtype, resolve_dtype
+
+    assert resolve_dtype("auto") == torch.bfloat16
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    for kv in (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn):
+        assert compute_dtype(kv, cpu) == torch.float32  # the CPU never computes in 16 bits
+    assert compute_dtype(torch.bfloat16, cuda) == torch.bfloat16 and compute_dtype(torch.float32, cuda) == torch.float32
+    assert compute_dtype(torch.float8_e4m3fn, cuda) == torch.bfloat16
+    auto = load_model("random:tiny", device="cpu")
+    assert (auto.kv_dtype, auto.dtype) == (torch.bfloat16, torch.float32)
+    assert auto.fingerprint == load_model("random:tiny", device="cpu", dtype="bf16").fingerprint != tiny.fingerprint
