@@ -6,6 +6,8 @@ import os
 import pytest
 import torch
 
+import lazyrag  # noqa: F401  (takes the checkout off sys.path: see lazyrag/__init__.py)
+
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 

@@ -27,3 +27,13 @@ def test_wheel_installs_kernels_inside_lazyrag(tmp_path):
                          env=env, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
     assert Path(run.stdout.strip()).is_relative_to(target), run.stdout  # the wheel's copy, not the checkout
+
+
+def test_the_checkout_never_shadows_the_pypi_kernels_package():
+    """transformers >= 5.25 imports the PyPI `kernels`; run inside the checkout, `import kernels` would find
+    the repository's folder unless importing lazyrag takes the checkout off sys.path."""
+    code = ("import importlib.util, lazyrag; spec = importlib.util.find_spec('kernels'); "
+            "print(spec.origin if spec else '')")
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert not run.stdout.strip().startswith(str(ROOT / "kernels")), run.stdout
