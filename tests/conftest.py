@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-import lazyrag  # noqa: F401  (takes the checkout off sys.path: see lazyrag/__init__.py)
+import lazyrag  # noqa: F401  (before transformers: it keeps the checkout's kernels/ from shadowing PyPI's)
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
