@@ -6,7 +6,8 @@ would free; newly admitted ones are prefilled together, and otherwise every runn
 sequence decodes one token. A sequence leaves as soon as it ends and the next takes
 its place. The chunks of up to `lookahead` coming sequences are read ahead meanwhile, in
 the order they will be needed, and while others run a sequence whose chunks are still
-being read waits for them instead of stalling the batch. The scheduler sees the cache only
+being read waits for them instead of stalling the batch, and one behind it whose chunks are all
+resident already is admitted first. The scheduler sees the cache only
 through `is_resident`, `is_loading`, `available_pages` and `prefetch` (and the mode, which
 places a sequence, through the cache's allocator).
 
@@ -149,11 +150,12 @@ class Scheduler:
 
     def _admit(self, now: float) -> list[Sequence]:
         admitted, failed = [], []
-        while (self.waiting and len(self.running) + len(admitted) < self.batch_size
-               and self.waiting[0].arrival <= now):
-            seq = self.waiting[0]
+        passed = 0  # waiting sequences left in place, ahead of the one considered, for their reads
+        while (len(self.waiting) > passed and len(self.running) + len(admitted) < self.batch_size
+               and self.waiting[passed].arrival <= now):
+            seq = self.waiting[passed]
             alone = id(seq) in self._alone
-            if alone and admitted:
+            if alone and (admitted or passed):
                 break  # it takes the next prefill step by itself
             if not self.fits(seq):
                 if self.running or admitted:
@@ -164,9 +166,12 @@ class Scheduler:
                 self.waiting.popleft()
                 failed.append((seq, exc))
                 continue
-            if (self.running or admitted) and self._still_reading(seq):
-                break  # the batch runs on while its chunks arrive; it comes next
-            self.waiting.popleft()
+            if (self.running or admitted) and (self._still_reading(seq) if not passed else not self._resident(seq)):
+                # the batch runs on while its chunks arrive; one behind it whose chunks are all
+                # here already goes first (only then: it must not read on the step loop)
+                passed += 1
+                continue
+            del self.waiting[passed]
             held = _Held(self.cache)
             try:
                 seq.placement = self.mode.place(seq, held)
@@ -185,6 +190,9 @@ class Scheduler:
             self._alone.discard(id(seq))
             self.on_error(seq, exc)
         return admitted
+
+    def _resident(self, seq: Sequence) -> bool:
+        return all(self.cache.is_resident(c.chunk_id) for c in self.mode.cached_chunks(seq.request))
 
     def _still_reading(self, seq: Sequence) -> bool:
         return any(self.cache.is_loading(c.chunk_id) for c in self.mode.cached_chunks(seq.request))

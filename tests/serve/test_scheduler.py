@@ -172,3 +172,22 @@ def test_while_others_run_a_request_waits_for_its_chunks_still_being_read():
     assert step.prefill and [s.id for s in step.batch] == ["2", "3"]
     assert loader.prefetched[:3] == ["a", "b", "c"]  # the look-ahead asks in arrival order
 
+
+def test_a_request_whose_chunks_are_all_resident_passes_one_whose_chunks_are_still_being_read():
+    seqs = [sequence("1", [A], QUESTION, 3), sequence("2", [B], QUESTION, 3), sequence("3", [A], QUESTION, 3),
+            sequence("4", [C], QUESTION, 3), sequence("5", [A], QUESTION, 3)]
+    sched, cache, loader = setup(32, seqs, batch_size=4)
+    loader.in_flight = {"b"}
+    step = sched.schedule()
+    # 1 is admitted (a read at its placement); 2 waits for b; 3 and 5 need only a, resident now,
+    # and go ahead of it; 4's c is neither here nor being read, so it keeps its place behind 2
+    assert step.prefill and [s.id for s in step.batch] == ["1", "3", "5"]
+    assert cache.is_resident("a") and not cache.is_resident("c")
+    assert [s.id for s in sched.waiting] == ["2", "4"]
+    step = sched.schedule()
+    assert not step.prefill and [s.id for s in step.batch] == ["1", "3", "5"]  # b still in flight
+    loader.in_flight = set()
+    step = sched.schedule()
+    assert step.prefill and [s.id for s in step.batch] == ["2"]  # the batch is full at 4
+    assert [s.id for s in sched.waiting] == ["4"]
+
