@@ -122,6 +122,7 @@ def run(engine_args: dict, loaded, store, mode: str, prompts, questions, cache_g
         "req_per_s": round(len(done) / seconds, 3), "out_tok_per_s": round(out_tokens / seconds, 1),
         "hit_ratio": round(c.hit_ratio, 4), "token_hit_ratio": round(c.token_hit_ratio, 4),
         "kv_peak_gb": round(c.peak_pages * c.page_bytes / 2**30, 2), "bytes_read_gb": round(c.bytes_read / 2**30, 2),
+        "bytes_read": c.bytes_read,
         "evictions": c.evictions, "read_wait_s": round(c.read_wait_s, 3), "warm": warm,
         "host_cache_gb": engine_args.get("host_cache_bytes", 0) / 2**30, "host_hits": c.host_hits,
         "read_ahead": c.read_ahead, "order": order,
@@ -178,6 +179,7 @@ class Sweep:
     order: str = "given"      # answer --chunk-order
     workload: str = "zipf"    # zipf 2.1, or uniform popularity
     requests: int = 0
+    disk: bool = False        # cold, the store's files first dropped from the OS page cache
 
 
 def batch_sweep(kw: dict, loaded, store, prompts, questions, cache_gb: float, args, model: str, save, out,
@@ -205,8 +207,11 @@ def batch_sweep(kw: dict, loaded, store, prompts, questions, cache_gb: float, ar
             configs += [Sweep("lazy", workload="uniform", requests=n)]
             configs += [Sweep("lazy", f, reuse=r, order=o, workload="uniform", requests=n)
                         for f in args.recompute if f for r, o in ((True, "popular"), (False, "given"))]
+    cold = [c for c in configs if c.mode == "lazy" and c.workload == "zipf"]
     if args.warm:  # each lazy and block run again, on a cache warmed by one untimed pass
         configs += [dataclasses.replace(c, warm=True) for c in configs if c.mode != "full"]
+    if args.from_disk:  # last: a run from disk leaves in the page cache only what it read
+        configs += [dataclasses.replace(c, disk=True) for c in cold]
     rows = []
     for c in configs:
         source = uniform if c.workload == "uniform" else prompts
@@ -215,20 +220,54 @@ def batch_sweep(kw: dict, loaded, store, prompts, questions, cache_gb: float, ar
             recompute = Recompute(c.fraction, args.recompute_policy, reuse=c.reuse)
             engine_args = dict(kw, recompute=recompute, shared_attention=c.shared)
             try:
+                if c.disk:
+                    evict(store.path)
                 r = run(engine_args, loaded, store, c.mode, source[:n], questions[:n], cache_gb, bs, warm=c.warm,
                         order=c.order)
+                if c.disk:
+                    r.update(disk_bound(store.path, r))
             except Exception as exc:  # block's copies may not fit a large batch: say so
                 r = {"mode": c.mode, "batch_size": bs, "warm": c.warm, "error": str(exc)[:120]}
             if c.mode == "lazy" and not c.shared:
                 r["mode"] = "lazy, per-request pages"
             r.update(recompute=c.fraction, policy=args.recompute_policy, page_size=args.page_size, reuse=c.reuse,
-                     order=c.order, workload=c.workload, sweep_requests=c.requests)
+                     order=c.order, workload=c.workload, sweep_requests=c.requests, disk=c.disk)
             r.update(recompute_floor(loaded, r, store))
             rows.append(r)
             out["batch_sweep"] = rows
             save(out)
             print(f"[{model}] batch sweep {c}, batch {bs}: {json.dumps(r)}", flush=True)
     return rows
+
+
+def evict(path: Path) -> None:
+    """Drop a store's files from the OS page cache (posix_fadvise DONTNEED; honoured on the H200
+    machine, where drop_caches and O_DIRECT gave the same rate)."""
+    from bench_store import evict as drop
+
+    drop(path)
+
+
+DISK_SAMPLE = 8 << 30  # the disk's rate is read over this much of the store's segment files
+
+
+def disk_bound(path: Path, r: dict) -> dict:
+    """A from-disk run's bound: the disk's own sequential rate (dd over up to DISK_SAMPLE bytes of
+    the store's segment files, dropped from the page cache first), measured just after the run,
+    and the requests per second the run's bytes read allow at that rate."""
+    from bench_store import dd_gb_s, segment_files
+
+    files, total = [], 0
+    for f in segment_files(path):
+        if total >= DISK_SAMPLE:
+            break
+        files.append(f)
+        total += f.stat().st_size
+    evict(path)
+    rate = dd_gb_s(files)
+    seconds = r["bytes_read"] / (rate * 1e9)
+    return {"disk_gb_s": round(rate, 3), "disk_sample_bytes": total,
+            "disk_bound_req_per_s": round(r["requests"] / seconds, 3) if seconds else None}
 
 
 BF16_MATRIX_RATE = 790e12  # dense bf16 FLOP/s measured on the H200 (.library device notes)
@@ -258,9 +297,9 @@ def sweep_table(results: list[dict]) -> str:
         for r in res.get("batch_sweep", []):
             key = (r.get("workload", "zipf"), r.get("sweep_requests", r.get("requests")), r.get("warm", False),
                    r["mode"], r["recompute"], r.get("policy", "head") if r["recompute"] else "",
-                   r.get("reuse", False), r.get("order", "given"))
+                   r.get("reuse", False), r.get("order", "given"), r.get("disk", False))
             best.setdefault(key, []).append(r)
-        for (workload, n, warm, mode, f, policy, reuse, order), rows in best.items():
+        for (workload, n, warm, mode, f, policy, reuse, order, disk), rows in best.items():
             ok = [r for r in rows if "req_per_s" in r]
             top = max(ok, key=lambda r: r["req_per_s"], default=None)
             each = ", ".join(f"{r['batch_size']}: {r['req_per_s']:.1f}" if "req_per_s" in r else
@@ -272,9 +311,30 @@ def sweep_table(results: list[dict]) -> str:
                         if f and "recomputed_tokens_per_req" in top else "")
                 floor = f"{top['recompute_floor_ms_per_req']:.2f}" if f and "recompute_floor_ms_per_req" in top else ""
                 lines.append(f"| {res['model'].split(':')[-1]} | {workload} | {top['requests']} | "
-                             f"{'warm' if warm else 'cold'} | {mode} | {recompute} | {how} | {top['batch_size']} | "
+                             f"{'warm' if warm else 'cold, from disk' if disk else 'cold'} | {mode} | {recompute} | {how} | {top['batch_size']} | "
                              f"{top['req_per_s']:.1f} | {top['ttft_ms']['mean']:.0f} | {work} | {floor} | {each} |")
-    return "\n".join(lines)
+    return "\n".join(lines) + disk_table(results)
+
+
+def disk_table(results: list[dict]) -> str:
+    """Each from-disk run against its bound: min(the same run from the page cache, the disk's
+    rate over the bytes it read)."""
+    lines = ["", "", "| model | requests | recompute | batch | page cache req/s | from disk req/s | read GiB "
+             "| disk GB/s (dd) | disk bound req/s | from disk / min(page cache, disk bound) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for res in results:
+        rows = res.get("batch_sweep", [])
+        for d in (r for r in rows if r.get("disk") and "req_per_s" in r):
+            same = [r for r in rows if not r.get("disk") and not r.get("warm") and "req_per_s" in r
+                    and all(r.get(k) == d.get(k) for k in ("mode", "recompute", "reuse", "order", "workload",
+                                                           "sweep_requests", "batch_size"))]
+            if not same or not d.get("disk_bound_req_per_s"):
+                continue
+            bound = min(same[0]["req_per_s"], d["disk_bound_req_per_s"])
+            lines.append(f"| {res['model'].split(':')[-1]} | {d['requests']} | {d['recompute']:g} | {d['batch_size']} | "
+                         f"{same[0]['req_per_s']:.1f} | {d['req_per_s']:.1f} | {d['bytes_read_gb']:.1f} | "
+                         f"{d['disk_gb_s']:.2f} | {d['disk_bound_req_per_s']:.1f} | **{d['req_per_s'] / bound:.2f}** |")
+    return "\n".join(lines) if len(lines) > 4 else ""
 
 
 @contextlib.contextmanager
@@ -312,7 +372,8 @@ def labelled_phases():
 
 def profile_run(engine_args: dict, loaded, store, mode: str, prompts, questions, cache_gb: float,
                 batch_size: int, model: str, warm: bool = False, trace: Path | None = None) -> dict:
-    """One closed run under torch.profiler: where the time goes (GPU busy share, top kernels).
+    """One closed run under torch.profiler: where the time goes (GPU busy share, top kernels, the
+    engine's host phases).
     warm: the timed pass of a warm run (run's `warm`) alone is profiled. trace: also write the
     profiler's trace there (gzipped Chrome trace JSON), the engine's phases labelled."""
     import gzip
@@ -322,9 +383,10 @@ def profile_run(engine_args: dict, loaded, store, mode: str, prompts, questions,
     from torch.profiler import ProfilerActivity, profile
 
     prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
-    with labelled_phases() if trace else contextlib.nullcontext():
+    order = "popular" if engine_args.get("recompute") else "given"  # answer's default with recompute
+    with labelled_phases():
         r = run(engine_args, loaded, store, mode, prompts, questions, cache_gb, batch_size, warm=warm,
-                timed=lambda: prof)
+                timed=lambda: prof, order=order)
     if trace:
         raw = trace.with_suffix("")
         prof.export_chrome_trace(str(raw))
@@ -347,7 +409,10 @@ def profile_run(engine_args: dict, loaded, store, mode: str, prompts, questions,
                "gpu_busy_share": round(busy_us / 1e6 / r["seconds"], 3), "h2d_copy_s": round(h2d_us / 1e6, 3),
                "host_sync_wait_s": round(wait_us / 1e6, 3),
                "top_kernels_ms": {e.key[:80]: round(e.self_device_time_total / 1e3, 1) for e in top},
-               "top_host_ops_ms": {f"{e.key[:70]} x{e.count}": round(e.self_cpu_time_total / 1e3, 1) for e in host}}
+               "top_host_ops_ms": {f"{e.key[:70]} x{e.count}": round(e.self_cpu_time_total / 1e3, 1) for e in host},
+               # the engine's host phases, each with what it calls (nested: row_attention is in _choose_recompute)
+               "host_phases_ms": {f"{e.key[len('lazyrag.'):]} x{e.count}": round(e.cpu_time_total / 1e3, 1)
+                                  for e in events if e.device_type == DeviceType.CPU and e.key.startswith("lazyrag.")}}
     print(f"[{model}] profile {mode} ({len(prompts)} requests): {json.dumps(summary)}", flush=True)
     return summary
 
@@ -645,6 +710,10 @@ def main() -> None:
     ap.add_argument("--recompute-policy", default="attention")
     ap.add_argument("--sweep-requests", type=lambda s: [int(x) for x in s.split(",") if x], default=[],
                     help="the batch sweep at each of these request counts (default: --requests)")
+    ap.add_argument("--from-disk", action="store_true",
+                    help="the batch sweep's cold lazy Zipf rows once more, last, with the store's files first "
+                         "dropped from the OS page cache (posix_fadvise), each beside the disk's own rate "
+                         "(dd over the store's segment files, dropped again) and the bound it sets")
     ap.add_argument("--uniform-too", action="store_true",
                     help="the batch sweep's lazy rows also on requests of uniform popularity")
     ap.add_argument("--check-shared", type=int, default=0, metavar="N",

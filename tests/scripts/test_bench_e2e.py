@@ -70,3 +70,24 @@ def test_bench_e2e_host_tier_rows(tmp_path):
     assert without["cache_gb"] == with_tier["cache_gb"] and without["host_cache_gb"] == 0 < with_tier["host_cache_gb"]
     assert without["host_hits"] == 0 < with_tier["host_hits"]  # misses the small GPU cache evicted come back
     assert "**ratio** host tier" in run.stdout and "read wait share" in run.stdout
+
+
+def test_bench_e2e_from_disk_rows_beside_the_disk_rate(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["OUT"] = str(tmp_path / "out")
+    env["TMPDIR"] = str(tmp_path / "tmp")
+    (tmp_path / "tmp").mkdir()
+    cmd = [sys.executable, str(ROOT / "scripts" / "bench_e2e.py"), "--models", "random:tiny", "--docs", "6",
+           "--doc-tokens", "96", "--requests", "6", "--cache-gb", "0.5", "--recompute", "0", "--skip-full",
+           "--skip-block", "--batch-sizes", "4", "--page-size", "32", "--warm", "--from-disk"]
+    run = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = json.loads((tmp_path / "out" / "bench_e2e.json").read_text())["results"][0]["batch_sweep"]
+    assert [(r["warm"], r["disk"]) for r in rows] == [(False, False), (True, False), (False, True)]
+    disk = rows[-1]
+    assert disk["bytes_read"] == rows[0]["bytes_read"] > 0  # every chunk read again, from the disk
+    assert disk["disk_gb_s"] > 0 and disk["disk_sample_bytes"] > 0
+    seconds = disk["bytes_read"] / (disk["disk_gb_s"] * 1e9)
+    assert abs(disk["disk_bound_req_per_s"] - 6 / seconds) < 1e-3 * disk["disk_bound_req_per_s"] + 1e-3
+    assert "| tiny | zipf | 6 | cold, from disk | lazy | 0 |" in run.stdout
+    assert "from disk / min(page cache, disk bound)" in run.stdout

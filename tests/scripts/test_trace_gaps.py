@@ -63,3 +63,6 @@ def test_bench_e2e_writes_labelled_traces(tmp_path):
     for mode in ("lazy", "block"):
         names = {e.get("name") for e in trace_gaps.load(tmp_path / "out" / f"trace-{mode}.json.gz")}
         assert {"lazyrag.Runner.prefill", "lazyrag.Runner.row_attention", "lazyrag.Scheduler.schedule"} <= names
+    profiled = json.loads((tmp_path / "out" / "bench_e2e.json").read_text())["results"][0]["profile"]
+    phases = {k.split(" x")[0]: v for k, v in profiled["lazy"]["host_phases_ms"].items()}
+    assert phases["Runner.row_attention"] > 0 and phases["Engine._choose_recompute"] >= phases["Runner.row_attention"]
