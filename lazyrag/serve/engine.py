@@ -196,16 +196,22 @@ class Engine:
                                                               continuations)]
 
     def _forced_logits(self, requests: list[Request], continuations: list[list[int]]) -> Iterator[torch.Tensor]:
-        # one batch at a time, so a caller that reduces each tensor holds one batch's logits
+        # in request order, a batch at a time, so a caller that reduces each tensor holds about one
+        # batch's logits; the scheduler may admit a request ahead of one still reading its chunks
         seqs = [Sequence(r, max_new_tokens=len(c)) for r, c in zip(requests, continuations)]
+        index = {id(seq): i for i, seq in enumerate(seqs)}
         scheduler = Scheduler(self.mode, self.cache, self.batch_size, seqs)
+        ready: dict[int, torch.Tensor] = {}
         done = 0
         while (step := scheduler.schedule()) is not None:  # each batch is finished once scored: all prefill
-            n = len(step.batch)
-            yield from self._computing_recompute(step.batch, self.runner.teacher_forced_logits, step.batch,
-                                                 continuations[done: done + n])
-            done += n
+            order = [index[id(seq)] for seq in step.batch]
+            logits = self._computing_recompute(step.batch, self.runner.teacher_forced_logits, step.batch,
+                                               [continuations[i] for i in order])
+            ready.update(zip(order, logits))
             scheduler.finish(step.batch)
+            while done in ready:
+                yield ready.pop(done)
+                done += 1
 
     def _prefill(self, batch: list[Sequence]) -> torch.Tensor:
         return self._computing_recompute(batch, self.runner.prefill, batch)

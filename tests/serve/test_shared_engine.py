@@ -78,6 +78,29 @@ def test_teacher_forced_logits_are_the_same_with_and_without_chunk_major(stored,
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
+def test_teacher_forced_logits_keep_request_order_when_admitted_out_of_order(stored, monkeypatch):
+    """The scheduler may admit a request ahead of one still reading: each request still gets its
+    own continuation's logits, in the order asked."""
+    from lazyrag.serve import engine as engine_module
+
+    class Reversed(engine_module.Scheduler):
+        def _admit(self, now):
+            if not getattr(self, "turned", False):
+                self.waiting.reverse()  # the last request first, as if the others' chunks were still being read
+                self.turned = True
+            return super()._admit(now)
+
+    loaded, store = stored
+    reqs = requests(store, loaded)
+    continuations = [[5, 9, 11], [7], [3, 3], [12, 40]]
+    expected = Engine(loaded, store, "lazy", cache_bytes=8 << 20, batch_size=2).teacher_forced_logits(reqs, continuations)
+    monkeypatch.setattr(engine_module, "Scheduler", Reversed)
+    got = Engine(loaded, store, "lazy", cache_bytes=8 << 20, batch_size=2).teacher_forced_logits(reqs, continuations)
+    assert [g.shape[0] for g in got] == [3, 1, 2, 2]
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
 def test_chunk_major_kernels_in_the_engine_interp(stored, shared_calls):
     """The Triton kernels (under the interpreter) in a lazy run: prefill and decode steps of two
     requests that share both their chunks give the reference path's answers."""
