@@ -1,18 +1,19 @@
 """Chunk I/O: getting a chunk's KV from the store (or the host tier) into pool pages.
 
 The look-ahead names the chunks coming requests need, in the order they will need them. Reads
-start in that order on reader threads while the bytes read ahead and not yet loaded stay within
-a budget (on a GPU, the pinned staging buffers they land in), and every load that consumes one
-starts the next, so the store is read while the GPU works. Each read takes one whole chunk on
-one of at most half the cores (`chunk_read_threads`): on an H200 machine (16 cores) 8 threads
-so read 24 GB/s and slowed the step loop's launches 1.5x, where 16 threads reading 4 MB pieces
-slowed them 28x (scripts/bench_read_contention.py). Host to GPU copies go on their own
-CUDA stream and wait for nothing on the compute stream: the pages they fill are free, so no
-kernel in flight reads them (the engine drains the GPU before it frees pages a failed step may
-still touch). Compute waits only for the copy of a chunk it is about to read (`after_copy`).
+start in that order while the bytes read ahead and not yet loaded stay within a budget (the
+staging buffers they land in), and every load that consumes one starts the next, so the store
+is read while the GPU works. Each read takes one whole chunk, at most half the cores' worth at
+once (`chunk_read_threads`), and runs in the reader process (lazyrag/store/read_process.py),
+which writes the staging buffers it shares with this one: on an H200 machine (16 cores) 8
+reader threads in the serving process slowed the step loop's launches 1.5x, the same reads in
+another process not at all (scripts/bench_read_contention.py). Host to GPU copies go on their
+own CUDA stream and wait for nothing on the compute stream: the pages they fill are free, so
+no kernel in flight reads them (the engine drains the GPU before it frees pages a failed step
+may still touch). Compute waits only for the copy of a chunk it is about to read (`after_copy`).
 An optional host-memory tier keeps recently read chunks, so a chunk evicted from the pool comes
-back without the disk; on a GPU it keeps the pinned buffer the chunk was read into and gives
-staging one back when it evicts, so the host copies nothing. What to load and when is the chunk
+back without the disk: it keeps the staging buffer the chunk was read into and gives staging
+one back when it evicts, so the host copies nothing. What to load and when is the chunk
 cache's business (lazyrag/serve/cache.py); this module only moves bytes and reports what each
 load cost.
 """
@@ -31,8 +32,9 @@ import torch
 
 from lazyrag.serve.paged import PagePool
 from lazyrag.store import ChunkInfo, Store, rows_dtype
+from lazyrag.store.read_process import SharedBuffer, shared_read_process
 
-Slot = tuple  # (pinned buffer, or None: pin one when first written; event of its last copy, or None)
+Slot = tuple  # (staging buffer, or None: make one when first written; event of its last copy, or None)
 
 
 @dataclass
@@ -79,7 +81,7 @@ class _Kept:
     last copy to the GPU, and what it costs the tier's budget."""
 
     kv: torch.Tensor
-    buf: torch.Tensor | None
+    buf: SharedBuffer | None
     copied: torch.cuda.Event | None
     cost: int
 
@@ -112,39 +114,40 @@ class _HostTier:
         return evicted
 
 
-class PinnedStaging:
-    """Pinned host buffers that chunk reads land in on their way to the GPU, recycled.
+class Staging:
+    """Host buffers that chunk reads land in on their way to the pool, recycled: SharedBuffers the
+    reader process writes, pinned on a GPU.
 
     Pinning memory is slow (about 0.2 s per 64 MB on an H200 machine, long enough to stall
-    chunk loads), so a buffer is pinned once, on the reader thread that first writes it, and
-    kept for the process (handed from loader to loader). A buffer is written again only after
-    its last copy to the GPU has run: the reader thread waits for that copy, not the engine.
+    chunk loads), so a buffer is made on the reader thread that first writes it and kept for the
+    process (handed from loader to loader). A buffer is written again only after its last copy
+    to the GPU has run: the reader thread waits for that copy, not the engine.
     """
 
-    _spare: dict[int, list[torch.Tensor]] = {}  # process-wide, by size in bytes
+    _spare: dict[tuple[int, bool], list[SharedBuffer]] = {}  # process-wide, by (size in bytes, pinned)
     _spare_lock = threading.Lock()
 
-    def __init__(self, nbytes: int, count: int):
-        self.nbytes = nbytes
+    def __init__(self, nbytes: int, count: int, pin: bool):
+        self.nbytes, self.pin = nbytes, pin
         self.free: deque[Slot] = deque((None, None) for _ in range(count))
 
     def take(self) -> Slot | None:
         return self.free.popleft() if self.free else None
 
-    def give(self, buf: torch.Tensor | None, copied: torch.cuda.Event | None = None) -> None:
-        """A buffer back (None: one the host tier kept; a new one is pinned when needed)."""
+    def give(self, buf: SharedBuffer | None, copied: torch.cuda.Event | None = None) -> None:
+        """A buffer back (None: one the host tier kept; a new one is made when needed)."""
         self.free.append((buf, copied))
 
-    def writable(self, slot: Slot) -> torch.Tensor:
-        """The slot's buffer once no copy reads it, pinned now if it has none (a reader thread calls this)."""
+    def writable(self, slot: Slot) -> SharedBuffer:
+        """The slot's buffer once no copy reads it, made now if it has none (a reader thread calls this)."""
         buf, copied = slot
         if copied is not None:
             copied.synchronize()
         if buf is None:
             with self._spare_lock:
-                spare = self._spare.get(self.nbytes)
+                spare = self._spare.get((self.nbytes, self.pin))
                 buf = spare.pop() if spare else None
-        return buf if buf is not None else torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=True)
+        return buf if buf is not None else SharedBuffer(self.nbytes, pin=self.pin)
 
     def close(self) -> None:
         while self.free:
@@ -153,7 +156,7 @@ class PinnedStaging:
                 if copied is not None:
                     copied.synchronize()
                 with self._spare_lock:
-                    self._spare.setdefault(self.nbytes, []).append(buf)
+                    self._spare.setdefault((self.nbytes, self.pin), []).append(buf)
 
 
 @dataclass
@@ -163,7 +166,7 @@ class _Read:
     info: ChunkInfo
     slot: Slot | None  # None: read into pageable memory
     nbytes: int
-    buf: torch.Tensor | None = None  # the staging buffer, once the reader has it
+    buf: SharedBuffer | None = None  # the staging buffer, once the reader has it
     future: Future | None = None
 
 
@@ -177,14 +180,18 @@ class ChunkLoader:
     """Reads chunks from the store into pool pages (the `Loader` the engine uses).
 
     read_threads: chunk reads at once (default: chunk_read_threads());
-    staging_bytes: the most bytes read ahead and not yet loaded (on a GPU, the pinned staging
-    buffers, one per chunk, pinned when first used)."""
+    staging_bytes: the most bytes read ahead and not yet loaded (the staging buffers, one per
+    chunk, made when first used)."""
 
     def __init__(self, store: Store, pool: PagePool, host_cache_bytes: float = 0, read_threads: int | None = None,
                  staging_bytes: int = 4 << 30):
         self.store, self.pool = store, pool
         self.host = _HostTier(int(host_cache_bytes))
-        self.reader = ThreadPoolExecutor(read_threads or chunk_read_threads(), thread_name_prefix="lazyrag-read")
+        threads = read_threads or chunk_read_threads()
+        # these threads only wait: the reads themselves run in the reader process
+        self.reader = ThreadPoolExecutor(threads, thread_name_prefix="lazyrag-read")
+        self.process = shared_read_process(threads)
+        self.process.start()
         self.pending: dict[str, _Read] = {}  # reads started by the look-ahead and not loaded yet
         self.wanted: list[ChunkInfo] = []    # the look-ahead's chunks not started yet, in need order
         self.budget, self.ahead_bytes = staging_bytes, 0
@@ -192,8 +199,8 @@ class ChunkLoader:
         self.row_bytes = store.settings.row_bytes  # fp8 rows carry their scales: the loader moves both
         self.staging = None
         chunk_bytes = store.max_padded_length() * self.row_bytes
-        if pool.kv.is_cuda and chunk_bytes:  # reads deeper than the buffers wait for one to come back
-            self.staging = PinnedStaging(chunk_bytes, max(2, staging_bytes // chunk_bytes))
+        if chunk_bytes:  # reads deeper than the buffers wait for one to come back
+            self.staging = Staging(chunk_bytes, max(2, staging_bytes // chunk_bytes), pin=pool.kv.is_cuda)
 
     def prefetch(self, infos: list[ChunkInfo]) -> None:
         """Read ahead the chunks coming requests need (none in the pool), in that order: chunks in
@@ -277,14 +284,13 @@ class ChunkLoader:
     def _read(self, read: _Read) -> torch.Tensor:
         shape = (read.info.padded_length, *self.store.settings.row_shape)
         dtype = rows_dtype(self.store.settings.kv_dtype)
-        if read.slot is None:  # no staging buffer (none free, none fits, or no GPU): pageable memory
-            out = torch.empty(shape, dtype=dtype)
-        else:
-            read.buf = self.staging.writable(read.slot)
-            out = read.buf[: read.nbytes].view(dtype).view(shape)
-        return self.store.read_kv(read.info, out=out, whole=True)
+        if read.slot is None:  # no staging buffer (none free, or none fits): read here, into pageable memory
+            return self.store.read_kv(read.info, out=torch.empty(shape, dtype=dtype), whole=True)
+        buf = read.buf = self.staging.writable(read.slot)
+        return self.store.read_kv(read.info, out=buf.tensor[: read.nbytes].view(dtype).view(shape), whole=True,
+                                  into_out=lambda file, offset, nbytes: self.process.read(buf, 0, file, offset, nbytes))
 
-    def _wait_read(self, info: ChunkInfo, report: LoadReport) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _wait_read(self, info: ChunkInfo, report: LoadReport) -> tuple[torch.Tensor, SharedBuffer | None]:
         """The chunk's KV read from the store (by the look-ahead, or now), and its staging buffer."""
         cid = info.chunk_id
         self.wanted = [w for w in self.wanted if w.chunk_id != cid]
@@ -306,16 +312,11 @@ class ChunkLoader:
         report.bytes_read = host.numel() * host.element_size()
         return host, read.buf
 
-    def _keep(self, chunk_id: str, host: torch.Tensor, buf: torch.Tensor | None,
+    def _keep(self, chunk_id: str, host: torch.Tensor, buf: SharedBuffer | None,
               copied: torch.cuda.Event | None) -> None:
         """After a disk read: the host tier keeps the chunk where it has room, else its buffer goes back."""
-        if self.staging is None:  # no GPU: the tier keeps the tensor read
-            nbytes = host.numel() * host.element_size()
-            if nbytes <= self.host.budget:
-                self.host.put(chunk_id, _Kept(host, None, None, nbytes))
-            return
         if buf is None:
-            return  # read into pageable memory: the tier holds pinned buffers only
+            return  # read into pageable memory: the tier holds staging buffers only
         if self.host.budget < self.staging.nbytes:
             self.staging.give(buf, copied)
             return

@@ -14,6 +14,7 @@ import secrets
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import numpy as np
@@ -188,6 +189,7 @@ class _Segment:
 
 
 _IN_CALLER = ParallelReads(1)
+RangeRead = Callable[[Path, int, int], int]  # (file, first byte, bytes) read into a known buffer -> their crc32c
 
 
 class SegmentReader:
@@ -229,7 +231,8 @@ class SegmentReader:
             return None
         return seg.file, seg.data_start + chunk.offset * self._row_bytes, chunk.padded_length * self._row_bytes
 
-    def read_kv(self, chunk: ChunkInfo, out: torch.Tensor | None = None, whole: bool = False) -> torch.Tensor:
+    def read_kv(self, chunk: ChunkInfo, out: torch.Tensor | None = None, whole: bool = False,
+                into_out: RangeRead | None = None) -> torch.Tensor:
         """A chunk's KV: ``[padded_length, num_layers, 2, num_kv_heads, head_dim]`` in
         the logical dtype, or packed fp8 rows (``rows_dtype``, ``row_shape``) (K rotated at
         chunk-local positions, then V). Rows past
@@ -237,7 +240,9 @@ class SegmentReader:
         shape and dtype, e.g. pinned memory) the data is read into it and it is returned.
         Safe to call from several threads. ``whole``: read in one piece on the calling thread, for
         a caller that reads many chunks at once on threads of its own (pieces on more threads than
-        that only contend with it for the cores and the GIL).
+        that only contend with it for the cores and the GIL). ``into_out(file, offset, nbytes)``:
+        reads a local segment's byte range into ``out`` elsewhere (the reader process) and returns
+        its crc32c.
         """
         s = self.settings
         shape = (chunk.padded_length, *s.row_shape)
@@ -252,7 +257,9 @@ class SegmentReader:
         buf = out.view(-1).view(torch.uint8).numpy()
         try:
             seg = self._segment(chunk.segment)
-            if seg.contiguous and seg.handle is not None:
+            if seg.contiguous and seg.handle is not None and into_out is not None and isinstance(seg.file, Path):
+                got = into_out(seg.file, seg.data_start + chunk.offset * self._row_bytes, len(buf))
+            elif seg.contiguous and seg.handle is not None:
                 reads = _IN_CALLER if whole else self._reads or shared_reads()
                 got = reads.read(lambda view, offset: self._files.read_into(seg.handle, view, offset),
                                  memoryview(buf), seg.data_start + chunk.offset * self._row_bytes)

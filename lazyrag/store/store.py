@@ -43,7 +43,7 @@ from .integrity import CheckReport, Warn, check_store, delete_orphans, warn_stde
 from .location import StoreURL, store_location
 from .locks import take_read_lock, take_write_lock
 from .migration import upgrade
-from .segments import fsync_path, fsync_tree
+from .segments import RangeRead, fsync_path, fsync_tree
 from .storage import LocalStorage, ObjectStorage, Storage, write_segment_at
 
 
@@ -269,10 +269,11 @@ class Store:
         for a store on object storage the local cache that holds its catalog."""
         return self._storage.local_dir
 
-    def read_kv(self, chunk: ChunkInfo, out: torch.Tensor | None = None, whole: bool = False) -> torch.Tensor:
+    def read_kv(self, chunk: ChunkInfo, out: torch.Tensor | None = None, whole: bool = False,
+                into_out: RangeRead | None = None) -> torch.Tensor:
         """A chunk's KV: ``[padded_length, num_layers, 2, num_kv_heads, head_dim]`` in
         the logical dtype; see :meth:`SegmentReader.read_kv`. Safe to call from several threads."""
-        return self._segments.read_kv(chunk, out, whole)
+        return self._segments.read_kv(chunk, out, whole, into_out)
 
     # -- run log and summary -----------------------------------------------------
 

@@ -23,6 +23,7 @@ class HeldReads:
         self.gates: dict[str, threading.Event] = {}
         self.lock = threading.Lock()
         self.whole: list[bool] = []
+        self.by_process: dict[str, bool] = {}
 
     def max_padded_length(self) -> int:
         return self.store.max_padded_length()
@@ -31,10 +32,11 @@ class HeldReads:
         for info in infos:
             self._gate(info.chunk_id).set()
 
-    def read_kv(self, info, out=None, whole=False):
+    def read_kv(self, info, out=None, whole=False, into_out=None):
         self._gate(info.chunk_id).wait(timeout=30)
         self.whole.append(whole)
-        return self.store.read_kv(info, out=out, whole=whole)
+        self.by_process[info.chunk_id] = into_out is not None
+        return self.store.read_kv(info, out=out, whole=whole, into_out=into_out)
 
     def _gate(self, chunk_id: str) -> threading.Event:
         with self.lock:
@@ -77,7 +79,11 @@ def test_reads_ahead_start_in_need_order_within_the_budget(tmp_path, tiny):
     assert reading() == [c5.chunk_id, c6.chunk_id]
     held.release(c5, c6)
     loader.close()
-    assert held.whole and all(held.whole)  # each chunk in one piece on its reader thread
+    assert held.whole and all(held.whole)  # each chunk in one piece
+    # in the reader process, into a staging buffer; c4's, with both buffers taken, here into pageable memory
+    # (c5's and c6's reads may not have started before the close)
+    assert held.by_process == {cid: cid != c4.chunk_id for cid in held.by_process}
+    assert {c0.chunk_id, c1.chunk_id, c2.chunk_id, c3.chunk_id, c4.chunk_id} <= held.by_process.keys()
     store.close()
 
 

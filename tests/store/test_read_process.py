@@ -1,0 +1,78 @@
+"""The reader process: byte ranges land in shared buffers with their crc32c; failures name the
+file; a process that dies fails the reads in flight and the next read starts a new one."""
+
+from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import crc32c
+import pytest
+
+from lazyrag.store.format import StoreError
+from lazyrag.store.read_process import ReadProcess, SharedBuffer
+
+
+@pytest.fixture
+def reads():
+    process = ReadProcess(threads=3)
+    yield process
+    process.close()
+
+
+def test_ranges_land_where_asked_with_their_crc32c(tmp_path, reads):
+    data = os.urandom(3 * 1024 * 1024 + 17)
+    path = tmp_path / "segment"
+    path.write_bytes(data)
+    # (place in the buffer, first byte of the file, bytes), not overlapping in the buffer
+    ranges = [(0, 0, 1000), (1000, 5, 1 << 20), (2 << 20, 12345, len(data) - 12345), (1500_000, 999_999, 1)]
+    buf = SharedBuffer(6 << 20)
+    buf.tensor.fill_(7)
+    with ThreadPoolExecutor(4) as pool:  # several threads at once, each waiting for its own answer
+        crcs = list(pool.map(lambda r: reads.read(buf, r[0], path, r[1], r[2]), ranges))
+    expected = bytearray([7]) * buf.nbytes
+    for (at, offset, n), crc in zip(ranges, crcs):
+        assert crc == crc32c.crc32c(data[offset: offset + n])
+        expected[at: at + n] = data[offset: offset + n]
+    assert bytes(buf.tensor.numpy()) == bytes(expected)
+
+
+def test_a_missing_file_or_a_short_one_is_a_store_error_naming_it(tmp_path, reads):
+    buf = SharedBuffer(4096)
+    with pytest.raises(StoreError, match="missing-segment"):
+        reads.read(buf, 0, tmp_path / "missing-segment", 0, 100)
+    short = tmp_path / "short"
+    short.write_bytes(b"x" * 100)
+    with pytest.raises(StoreError, match="ends at byte 100"):
+        reads.read(buf, 0, short, 50, 100)
+    with pytest.raises(ValueError, match="outside"):
+        reads.read(buf, 4000, short, 0, 100)
+    assert reads.read(buf, 0, short, 0, 100) == crc32c.crc32c(b"x" * 100)  # the process is still there
+
+
+def test_a_dead_process_fails_the_reads_in_flight_and_the_next_read_starts_another(tmp_path, reads):
+    buf = SharedBuffer(4096)
+    fifo = tmp_path / "never-written"
+    os.mkfifo(fifo)
+    errors: list[BaseException] = []
+
+    def blocked_read():
+        try:
+            reads.read(buf, 0, fifo, 0, 10)
+        except StoreError as e:
+            errors.append(e)
+
+    t = threading.Thread(target=blocked_read)
+    t.start()
+    while reads._child is None or not reads._child.waiting:
+        threading.Event().wait(0.01)
+    first = reads._child.proc
+    first.kill()
+    t.join(timeout=30)
+    assert not t.is_alive() and len(errors) == 1 and "ended" in str(errors[0])
+    data = tmp_path / "data"
+    data.write_bytes(b"abc" * 100)
+    assert reads.read(buf, 10, data, 0, 300) == crc32c.crc32c(b"abc" * 100)  # a new process, the buffer sent again
+    assert reads._child.proc.pid != first.pid
+    assert bytes(buf.tensor[10:310].numpy()) == b"abc" * 100
