@@ -87,6 +87,7 @@ def run(engine_args: dict, loaded, store, mode: str, prompts, questions, cache_g
     from lazyrag.eval import scoring as metrics
     from lazyrag.serve import Engine, Request
     from lazyrag.serve.ordering import PopularFirst, shared_prefixes
+    from lazyrag.serve.scheduler import StepCounts
 
     engine = Engine(loaded, store, mode, cache_gb * 2**30, batch_size, stop_at_eos=False, **engine_args)
     chunks = {d: store.doc_chunks(d) for d in {d for p in prompts for d in p}}
@@ -106,13 +107,14 @@ def run(engine_args: dict, loaded, store, mode: str, prompts, questions, cache_g
     if warm:
         engine.run(requests(0.0), lambda r: None, lookahead=64)
         engine.cache.reset_counters()
+        engine.steps = StepCounts()
     sync()
     with timed():
         t0 = time.perf_counter()
         engine.run(requests(t0), done.append, lookahead=64)
         sync()
         seconds = time.perf_counter() - t0
-    c = engine.cache.counters
+    c, steps = engine.cache.counters, engine.steps
     engine.close()
     out_tokens = sum(len(r.generated) for r in done)
     result = {
@@ -128,6 +130,8 @@ def run(engine_args: dict, loaded, store, mode: str, prompts, questions, cache_g
         "read_ahead": c.read_ahead, "order": order,
         "recomputed_tokens_per_req": round(c.recomputed_tokens / max(1, len(done)), 1),
         "reused_tokens_per_req": round(c.reused_tokens / max(1, len(done)), 1), "reuse_ratio": round(c.reuse_ratio, 4),
+        "prefill_steps": steps.prefills, "prefill_batch_mean": round(steps.prefilled / max(1, steps.prefills), 1),
+        "decode_steps": steps.decodes, "decode_batch_mean": round(steps.decoded / max(1, steps.decodes), 1),
     }
     del engine
     free_cache()
@@ -290,8 +294,9 @@ def recompute_floor(loaded, r: dict, store) -> dict:
 def sweep_table(results: list[dict]) -> str:
     """Each (mode, recompute) at its best batch size, with the ratios the claims rest on."""
     lines = ["| model | workload | requests | cache | mode | recompute | reuse, order | best batch | req/s "
-             "| TTFT mean ms | recomputed / reused tokens per req | recompute floor ms/req | req/s at each batch size |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| TTFT mean ms | recomputed / reused tokens per req | recompute floor ms/req "
+             "| prefill / decode steps (mean batch) | req/s at each batch size |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for res in results:
         best = {}
         for r in res.get("batch_sweep", []):
@@ -310,9 +315,11 @@ def sweep_table(results: list[dict]) -> str:
                 work = (f"{top['recomputed_tokens_per_req']:.0f} / {top['reused_tokens_per_req']:.0f}"
                         if f and "recomputed_tokens_per_req" in top else "")
                 floor = f"{top['recompute_floor_ms_per_req']:.2f}" if f and "recompute_floor_ms_per_req" in top else ""
+                steps = (f"{top['prefill_steps']} ({top['prefill_batch_mean']:.1f}) / "
+                         f"{top['decode_steps']} ({top['decode_batch_mean']:.1f})" if "prefill_steps" in top else "")
                 lines.append(f"| {res['model'].split(':')[-1]} | {workload} | {top['requests']} | "
                              f"{'warm' if warm else 'cold, from disk' if disk else 'cold'} | {mode} | {recompute} | {how} | {top['batch_size']} | "
-                             f"{top['req_per_s']:.1f} | {top['ttft_ms']['mean']:.0f} | {work} | {floor} | {each} |")
+                             f"{top['req_per_s']:.1f} | {top['ttft_ms']['mean']:.0f} | {work} | {floor} | {steps} | {each} |")
     return "\n".join(lines) + disk_table(results)
 
 

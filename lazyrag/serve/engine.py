@@ -33,7 +33,7 @@ from lazyrag.serve.recompute import Recompute
 from lazyrag.serve.request import Request, Sequence
 from lazyrag.serve.runner import Runner
 from lazyrag.serve.sampler import Sampler, Sampling
-from lazyrag.serve.scheduler import OnError, Scheduler
+from lazyrag.serve.scheduler import OnError, Scheduler, StepCounts
 from lazyrag.serve.sharing import ChunkMajor
 from lazyrag.store import Store, StoreMismatch, torch_dtype
 
@@ -86,6 +86,7 @@ class Engine:
         self.mode = mode_class(s.preamble_ids, s.page_size, self.runner.rotate_copy, recompute, namespace=s.fingerprint)
         self.sampler = Sampler(sampling)
         self.stop_ids = loaded.eos_ids if stop_at_eos else set()  # benchmarks fix the answer length
+        self.steps = StepCounts()  # every run's steps, for benchmarks
         preamble = self.mode.place_preamble(self.cache)
         if preamble is not None:  # its queries sit at their own positions: no per-page rotation
             self.runner.forward([preamble], rotate_queries=False)
@@ -102,7 +103,7 @@ class Engine:
         read, out of memory, bad token ids), after all it held is given back; the others still
         run. Without it such an error ends the run."""
         sequences = (None if r is None else Sequence(r) for r in requests)
-        scheduler = Scheduler(self.mode, self.cache, self.batch_size, sequences, lookahead, on_error)
+        scheduler = Scheduler(self.mode, self.cache, self.batch_size, sequences, lookahead, on_error, self.steps)
         failed: dict[int, Exception] = {}  # id(seq) -> why its decode failed; it leaves at retire
         while (step := scheduler.schedule()) is not None:
             if step.prefill:

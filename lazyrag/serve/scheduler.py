@@ -42,6 +42,23 @@ OPEN_STREAM_POLL_S = 0.001
 
 
 @dataclass
+class StepCounts:
+    """How many steps ran and how many sequences they held (prefill and decode apart)."""
+
+    prefills: int = 0
+    prefilled: int = 0
+    decodes: int = 0
+    decoded: int = 0
+
+    def add(self, step: "Step") -> "Step":
+        if step.prefill:
+            self.prefills, self.prefilled = self.prefills + 1, self.prefilled + len(step.batch)
+        else:
+            self.decodes, self.decoded = self.decodes + 1, self.decoded + len(step.batch)
+        return step
+
+
+@dataclass
 class Step:
     batch: list[Sequence]
     prefill: bool  # newly admitted: feed their prompts; otherwise one token each
@@ -49,11 +66,13 @@ class Step:
 
 class Scheduler:
     def __init__(self, mode: ServingMode, cache: ChunkCache, batch_size: int,
-                 sequences: Iterable[Sequence | None], lookahead: int = 64, on_error: OnError | None = None):
+                 sequences: Iterable[Sequence | None], lookahead: int = 64, on_error: OnError | None = None,
+                 steps: StepCounts | None = None):
         """sequences: in arrival order; None from it means nothing has arrived yet (an open stream).
         on_error(seq, exc): a sequence that failed alone (one of its chunks cannot be read, out of
         memory: lazyrag/serve/faults.py), after everything its placement took has been given
-        back; None re-raises the error."""
+        back; None re-raises the error. steps: counts the steps scheduled (and the decode steps
+        the engine runs on without asking, through `decodes_next`)."""
         if batch_size < 1:
             raise ValueError(f"the batch size must be at least 1, got {batch_size}")
         self.mode, self.cache, self.batch_size, self.lookahead = mode, cache, batch_size, lookahead
@@ -63,6 +82,7 @@ class Scheduler:
         self._source = iter(sequences)
         self._exhausted = False
         self._alone: set[int] = set()  # id() of sequences to admit in a prefill step of their own
+        self.steps = steps if steps is not None else StepCounts()
 
     def schedule(self) -> Step | None:
         """The next step, or None once the source is exhausted and every sequence has finished.
@@ -72,9 +92,9 @@ class Scheduler:
             stream_idle = self._read_ahead()
             admitted = self._admit(time.perf_counter())
             if admitted:
-                return Step(admitted, prefill=True)
+                return self.steps.add(Step(admitted, prefill=True))
             if self.running:
-                return Step(list(self.running), prefill=False)
+                return self.steps.add(Step(list(self.running), prefill=False))
             if not self.waiting:
                 if self._exhausted:
                     return None
@@ -89,9 +109,12 @@ class Scheduler:
         length with those tokens, and nobody could be admitted (the batch is full or nobody
         waits). A stop token among them is seen only later. Reads ahead as schedule does."""
         self._read_ahead()
-        return (len(batch) == len(self.running) and all(a is b for a, b in zip(batch, self.running))
-                and all(not seq.finished and len(seq.generated) + pending < seq.max_new_tokens for seq in batch)
-                and (len(self.running) >= self.batch_size or not self.waiting))
+        again = (len(batch) == len(self.running) and all(a is b for a, b in zip(batch, self.running))
+                 and all(not seq.finished and len(seq.generated) + pending < seq.max_new_tokens for seq in batch)
+                 and (len(self.running) >= self.batch_size or not self.waiting))
+        if again:
+            self.steps.add(Step(batch, prefill=False))
+        return again
 
     def fits(self, seq: Sequence) -> bool:
         """Whether the pool can take the sequence now (counting pages LRU eviction could free)."""

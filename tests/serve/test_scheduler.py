@@ -191,3 +191,20 @@ def test_a_request_whose_chunks_are_all_resident_passes_one_whose_chunks_are_sti
     assert step.prefill and [s.id for s in step.batch] == ["2"]  # the batch is full at 4
     assert [s.id for s in sched.waiting] == ["4"]
 
+
+
+
+def test_steps_are_counted_with_the_sequences_they_hold():
+    seqs = [sequence("1", [A], QUESTION, 3), sequence("2", [B], QUESTION, 3), sequence("3", [C], QUESTION, 3)]
+    sched, _, loader = setup(32, seqs, batch_size=2)
+    assert [s.id for s in sched.schedule().batch] == ["1", "2"]
+    step = sched.schedule()
+    assert not step.prefill
+    assert sched.decodes_next(step.batch, pending=1)  # the batch is full: the engine decodes on unasked
+    finish(seqs[0])
+    sched.retire()
+    assert [s.id for s in sched.schedule().batch] == ["3"]
+    assert not sched.decodes_next([seqs[1]], pending=1)  # 2 and 3 run: not that batch, not counted
+    assert sched.decodes_next(sched.running, pending=1)
+    s = sched.steps
+    assert (s.prefills, s.prefilled, s.decodes, s.decoded) == (2, 3, 3, 6)
