@@ -270,7 +270,7 @@ def disk_bound(path: Path, r: dict) -> dict:
     evict(path)
     rate = dd_gb_s(files)
     seconds = r["bytes_read"] / (rate * 1e9)
-    return {"disk_gb_s": round(rate, 3), "disk_sample_bytes": total,
+    return {"disk_gb_s": round(rate, 6), "disk_sample_bytes": total,  # the bound is computed from it: no coarse rounding
             "disk_bound_req_per_s": round(r["requests"] / seconds, 3) if seconds else None}
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import asdict, dataclass
-from typing import Iterable
+from typing import Callable
 
 from lazyrag.serve.loader import LoadReport, Loader
 from lazyrag.serve.paged import OutOfPages, PagePool
@@ -163,19 +163,22 @@ class ChunkCache:
         self.counters.evictions += isinstance(entry, Resident)
 
     # -- recomputed pages -------------------------------------------------------------
-    def find_recomputed(self, context: str, wanted: Iterable[int]) -> Recomputed | None:
-        """Pin and return the recomputed pages kept for `context` whose selection holds every page
-        in `wanted` (the last used of them), if any: a request that reads them gets at least the
-        pages it would have recomputed, computed exactly as it would have computed them."""
-        wanted = set(wanted)
+    def find_recomputed(self, context: str, value: Callable[[tuple[int, ...]], float | None]) -> Recomputed | None:
+        """Pin and return the recomputed pages kept for `context` whose selection `value` rates
+        highest (None: of no use to the caller; ties go to the last used), if any. Every entry
+        under a context holds exactly what recomputing its selection after that context gives."""
         choices = self._choices.get(context, [])
-        key = next((k for k in reversed(choices) if wanted <= set(self._resident[k].selection)), None)
-        if key is None:
+        best, best_value = None, None
+        for key in reversed(choices):
+            v = value(self._resident[key].selection)
+            if v is not None and (best_value is None or v > best_value):
+                best, best_value = key, v
+        if best is None:
             return None
-        entry = self._resident[key]
-        self._resident.move_to_end(key)
-        choices.remove(key)
-        choices.append(key)
+        entry = self._resident[best]
+        self._resident.move_to_end(best)
+        choices.remove(best)
+        choices.append(best)
         entry.pins += 1
         self.counters.reused_tokens += entry.tokens
         return entry

@@ -25,7 +25,8 @@ import torch
 from lazyrag.config import Mode
 from lazyrag.serve.cache import ChunkCache, Recomputed, Resident
 from lazyrag.serve.paged import LENGTH, PAGE, Feed, OutOfPages, page_rows, pages_for
-from lazyrag.serve.recompute import Recompute, chain_root, chained, choose, context_key, pages_to_recompute
+from lazyrag.serve.recompute import (Coverage, Recompute, chain_root, chained, choose, context_key,
+                                     pages_to_recompute)
 from lazyrag.serve.request import Placement, Request, Sequence
 from lazyrag.store import ChunkInfo
 
@@ -143,11 +144,12 @@ class ServingMode:
                          row_mass: torch.Tensor | None = None) -> None:
         """Choose the chunk pages the placed request recomputes (row_mass: the attention its
         question pays each of its rows, for the `attention` policy) and point each chosen row
-        at a page of its own where the mode shares the chunk. With reuse, a chunk for which the
-        cache holds pages recomputed after the same context (everything before it, recomputed
-        pages included) that hold every page the request wants there takes them as they are;
-        otherwise the request recomputes what it wants and the cache keeps it. It wants its own
-        choice, and the whole chunk within its shared prefix (lazyrag/serve/recompute.py)."""
+        at a page of its own where the mode shares the chunk. With reuse, it walks its chunks in
+        order: where the cache holds pages recomputed after the same context (everything before
+        the chunk, recomputed pages included) that keep what it reads recomputed at least its
+        own choice's worth (`Coverage`), it takes them as they are; otherwise it recomputes its
+        own choice there, less what the pages it took cover beyond it, and the cache keeps them.
+        Within its shared prefix it wants the whole chunk (lazyrag/serve/recompute.py)."""
         first = np.cumsum([p.n_preamble] + p.chunk_rows)
         scores = None if row_mass is None else [row_mass[a: a + n] for a, n in zip(first, p.chunk_rows)]
         chosen = choose(self.recompute, p.chunk_rows, scores)
@@ -158,18 +160,21 @@ class ServingMode:
             return
         if len(request.chunks) < 2 or not chosen:
             return
-        own = [tuple(q for cc, q in chosen if cc == c) for c in range(len(request.chunks))]
+        coverage = Coverage([tuple(q for cc, q in chosen if cc == c) for c in range(len(request.chunks))], scores)
         state = chain_root(self.namespace, request.chunks[0].chunk_id)
         for c in range(1, len(request.chunks)):
             context = context_key(state, request.chunks[c].chunk_id)
-            wanted = tuple(range(p.chunk_rows[c])) if c < request.shared_prefix else own[c]
-            entry = cache.find_recomputed(context, wanted)
-            if entry is None and wanted != own[c] and not self._reserve(p, cache, len(wanted)):
-                wanted = own[c]  # no room for the whole chunk now: its own choice, from its reserve
-                entry = cache.find_recomputed(context, wanted)
+            whole = tuple(range(p.chunk_rows[c]))
+            entry, computes = None, False
+            if c < request.shared_prefix:
+                entry = cache.find_recomputed(context, lambda selection: 0.0 if selection == whole else None)
+                if entry is None and self._reserve(p, cache, len(whole)):
+                    entry, computes = self._recompute_chunk(request, p, c, int(first[c]), context, whole, cache), True
+            if entry is None:  # outside the shared prefix, or no room for the whole chunk now
+                entry = cache.find_recomputed(context, coverage.value(c))
             if entry is None:
-                entry = self._recompute_chunk(request, p, c, int(first[c]), context, wanted, cache)
-            else:
+                entry = self._recompute_chunk(request, p, c, int(first[c]), context, coverage.to_compute(c), cache)
+            elif not computes:
                 for q, page in zip(entry.selection, entry.pages):
                     p.rows[first[c] + q, PAGE] = page
                     p.shared[first[c] + q] = 0
@@ -177,6 +182,7 @@ class ServingMode:
                 # a whole chunk recomputed: every request after this context reads the same pages
                 # at the same positions, so they are read chunk-major like a stored chunk's
                 p.shared[first[c]: first[c] + p.chunk_rows[c]] = entry.pages[0] + 1
+            coverage.took(c, entry.selection)
             p.recomputed.append(entry)
             state = chained(context, entry.selection)
         unused, p.spare = p.spare, []  # back to the pool now rather than when the request ends

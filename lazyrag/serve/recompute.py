@@ -15,13 +15,17 @@ The candidates are every page of every chunk after the first. Policies rank them
 Reuse. A recomputed page's KV depends on everything before it in the prompt: the preamble, the
 chunks before it and which of their pages were recomputed. So the pages recomputed for a chunk
 are kept in the chunk cache under that context (`chain_root`, `context_key`, `chained`) and the
-pages chosen. Every request makes its own choice, as without reuse; a later request whose prompt
-starts with the same chunks takes the cached pages of each leading chunk whose cached choice
-holds every page it chose there (a superset of its own choice, bit for bit what recomputing that
-choice gives), and recomputes its own choice where none does. Where at least 1/F of a run's
-prompts start with the same chunks (`Recompute.whole_prefix_uses`, counted by
-lazyrag/serve/ordering.py), the first of them recomputes those chunks whole and the others read
-them: once costs less than each prompt's own F of them, and every choice is covered.
+pages chosen, and a later request whose prompt starts with the same chunks may read them as they
+are, bit for bit what recomputing that choice gives. Every request still makes its own choice
+(the pages its question attends to most), and that choice is the bar (`Coverage`): walking its
+chunks in order, it takes a cached choice where the pages it reads recomputed so far hold at
+least the attention its own choice holds there, and where it must compute, the attention it
+holds beyond its own choice pays for its least attended pages. So a request reads recomputed
+at least its own choice's share of its question's attention, and computes only what the cache
+does not already cover. Where at least 1/F of a run's prompts start with the same chunks
+(`Recompute.whole_prefix_uses`, counted by lazyrag/serve/ordering.py), the first of them
+recomputes those chunks whole and the others read them: once costs less than each prompt's own
+F of them, and it covers every choice.
 """
 
 from __future__ import annotations
@@ -112,6 +116,56 @@ def choose(recompute: Recompute, chunk_pages: list[int], page_scores: list[torch
             raise ValueError("the attention policy needs the question's attention per page")
         candidates.sort(key=lambda cp: -float(page_scores[cp[0]][cp[1]]))  # stable: ties keep head order
     return sorted(candidates[:n])
+
+
+class Coverage:
+    """What a request's recompute must cover as it walks its chunks, reusing where it can.
+
+    Its own choice (`choose`) is the bar: with the `attention` policy, the pages it reads
+    recomputed must hold at least the attention its own choice holds, counted chunk by chunk
+    from the first, so that what its question attends to in shared pages never exceeds what it
+    would without reuse. `surplus` is how much more the pages taken so far hold than its own
+    choice there. A cached choice is usable where it keeps the surplus at or above zero; where
+    the request computes, the surplus pays for its least attended pages (lowest first, over the
+    chunks still ahead). With `head` (no attention), a cached choice must hold every page of
+    its own choice in that chunk, and it computes its own choice."""
+
+    def __init__(self, own: list[tuple[int, ...]], page_scores: list[torch.Tensor] | None):
+        self.own = own
+        self.scores = None if page_scores is None else [s.float().tolist() for s in page_scores]
+        self.surplus = 0.0
+
+    def mass(self, c: int, pages) -> float:
+        return sum(self.scores[c][q] for q in pages)
+
+    def value(self, c: int):
+        """Rates a cached selection of chunk c: None where taking it would leave the request less
+        than its own choice, else the attention it holds (more is better)."""
+        own = set(self.own[c])
+        if self.scores is None:
+            return lambda selection: 0.0 if own <= set(selection) else None
+        need = self.mass(c, own) - self.surplus
+        return lambda selection: m if (m := self.mass(c, selection)) >= need - 1e-9 else None
+
+    def to_compute(self, c: int) -> tuple[int, ...]:
+        """The pages of chunk c the request recomputes where no cached choice will do: its own,
+        less those the surplus covers."""
+        if self.scores is None or self.surplus <= 0:
+            return self.own[c]
+        ahead = sorted((self.scores[cc][q], cc, q) for cc in range(c, len(self.own)) for q in self.own[cc])
+        left, covered = self.surplus, set()
+        for score, cc, q in ahead:
+            if score > left:
+                break
+            left -= score
+            if cc == c:
+                covered.add(q)
+        return tuple(q for q in self.own[c] if q not in covered)
+
+    def took(self, c: int, selection: tuple[int, ...]) -> None:
+        """The request reads `selection` of chunk c recomputed."""
+        if self.scores is not None:
+            self.surplus += self.mass(c, selection) - self.mass(c, self.own[c])
 
 
 def _digest(text: str) -> str:

@@ -252,8 +252,8 @@ class _Held:
     def counters(self):
         return self.cache.counters
 
-    def find_recomputed(self, context: str, wanted: Iterable[int]) -> Recomputed | None:
-        entry = self.cache.find_recomputed(context, wanted)
+    def find_recomputed(self, context: str, value: Callable[[tuple[int, ...]], float | None]) -> Recomputed | None:
+        entry = self.cache.find_recomputed(context, value)
         if entry is not None:
             self.pins.append(entry)
         return entry

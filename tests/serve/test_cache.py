@@ -110,23 +110,31 @@ def test_prefetch_asks_the_loader_only_for_chunks_not_in_the_pool():
     assert loader.closed
 
 
-def test_a_cached_choice_is_reused_only_where_it_holds_the_requests_own():
+def holds(wanted):
+    """Rates a cached selection as the `head` policy does: usable where it holds every page wanted."""
+    return lambda selection: 0.0 if set(wanted) <= set(selection) else None
+
+
+def test_the_cached_choice_found_is_the_one_the_caller_rates_highest():
     cache, _ = make_cache(8)
     wide = cache.keep_recomputed("ctx", (0, 2), cache.alloc(2), 32)
     empty = cache.keep_recomputed("ctx", (), [], 0)
     for entry in (wide, empty):
         cache.release(entry)
-    assert cache.find_recomputed("ctx", (1,)) is None
-    assert cache.find_recomputed("other", ()) is None
-    assert cache.find_recomputed("ctx", (2,)) is wide and wide.pins == 1
-    assert cache.find_recomputed("ctx", ()) is wide  # the last used of those that hold it
+    assert cache.find_recomputed("ctx", holds((1,))) is None
+    assert cache.find_recomputed("other", holds(())) is None
+    assert cache.find_recomputed("ctx", holds((2,))) is wide and wide.pins == 1
+    assert cache.find_recomputed("ctx", holds(())) is wide  # a tie goes to the last used
+    assert cache.find_recomputed("ctx", lambda selection: -len(selection)) is empty
+    assert cache.find_recomputed("ctx", holds(())) is empty  # now the last used
     assert cache.counters.reused_tokens == 64
     one = cache.keep_recomputed("ctx", (1,), cache.alloc(1), 16)
-    assert cache.find_recomputed("ctx", (1,)) is one and one.pins == 2
-    for entry in (wide, wide, one, one):
+    assert cache.find_recomputed("ctx", holds((1,))) is one and one.pins == 2
+    assert cache.find_recomputed("ctx", lambda selection: float(len(selection))) is wide  # the most pages
+    for entry in (wide, wide, wide, empty, empty, one, one):
         cache.release(entry)
     cache.evict(wide.key)
-    assert cache.find_recomputed("ctx", (2,)) is None and cache.find_recomputed("ctx", ()) is one
+    assert cache.find_recomputed("ctx", holds((2,))) is None and cache.find_recomputed("ctx", holds((1,))) is one
 
 
 def test_a_chunk_read_ahead_is_loaded_into_free_pages_and_its_first_use_is_a_miss():

@@ -164,3 +164,31 @@ def test_cold_runs_with_chunks_loaded_ahead_answer_as_warm_ones_do(setup, mode):
     assert engine.cache.counters.misses == 0
     assert warm == cold
     engine.close()
+
+
+def test_recomputed_pages_reused_on_the_gpu_equal_recomputing_them(setup):
+    """The default path (attention-ranked recompute, pages reused): a request that asks an earlier
+    one's question over its documents reads every recomputed page from the cache, and those pages
+    hold exactly what a fresh engine recomputing them for it writes (Triton kernels, bf16)."""
+    from lazyrag.serve import Recompute
+    from lazyrag.serve.cache import Recomputed
+
+    loaded, store = setup
+    first, *_ = requests(store, PromptFormat(loaded.tokenizer))
+    again = Request("again", first.chunks, first.question_ids, first.max_new_tokens)
+    recompute = Recompute(0.3, "attention")
+
+    def run(reqs):
+        engine = Engine(loaded, store, "lazy", cache_bytes=4 << 30, batch_size=1, recompute=recompute)
+        engine.run(reqs, lambda seq: None)
+        return engine, {e.key: e for e in engine.cache._resident.values() if isinstance(e, Recomputed)}
+
+    both, kept = run([first, again])
+    counters = both.cache.counters
+    assert counters.recomputed_tokens > 0 and counters.reused_tokens == counters.recomputed_tokens
+    alone, fresh = run([again])
+    assert kept.keys() == fresh.keys() and any(e.pages for e in fresh.values())
+    for key, entry in fresh.items():
+        assert torch.equal(both.pool.kv[:, :, kept[key].pages], alone.pool.kv[:, :, entry.pages])
+    both.close()
+    alone.close()

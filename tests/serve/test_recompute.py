@@ -4,6 +4,7 @@ request's page table, the shared pages and the logits (random:tiny on the CPU, f
 import json
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 from serve_stores import DOCS, place, request
@@ -14,7 +15,7 @@ from lazyrag.models.prompt import PromptFormat
 from lazyrag.serve import Engine, Request
 from lazyrag.serve.cache import Recomputed
 from lazyrag.serve.paged import PAGE
-from lazyrag.serve.recompute import DEFAULT_LAYER, Policy, Recompute, choose, head_order, pages_to_recompute
+from lazyrag.serve.recompute import DEFAULT_LAYER, Coverage, Policy, Recompute, choose, head_order, pages_to_recompute
 from lazyrag.serve.runner import AttentionProbe, prompt_feeds
 from lazyrag.store import Store
 
@@ -42,6 +43,37 @@ def test_attention_policy_ranks_pages_by_the_mass_the_question_pays_them():
         choose(Recompute(0.5, Policy.ATTENTION), [2, 3, 1])
     with pytest.raises(ValueError):
         Recompute(0.5, "nearest")
+
+
+def test_a_cached_choice_counts_by_the_attention_its_pages_hold_for_this_question():
+    scores = [torch.tensor([0.0, 0.0]), torch.tensor([0.1, 0.6, 0.3]), torch.tensor([0.05, 0.4, 0.1])]
+    cover = Coverage([(), (1,), (1,)], scores)  # its own choice: chunk 1 page 1, chunk 2 page 1
+    value = cover.value(1)
+    assert value((1,)) == pytest.approx(0.6) and value((0, 1)) == pytest.approx(0.7)
+    assert value((0, 2)) is None  # 0.4 < 0.6: less than its own choice there
+    cover.took(1, (1, 2))  # it reads pages 1 and 2 of chunk 1: 0.3 more than its own choice
+    assert cover.surplus == pytest.approx(0.3)
+    assert cover.value(2)((2,)) == pytest.approx(0.1)  # 0.1 + 0.3 >= 0.4
+    assert cover.value(2)((0,)) is None                # 0.05 + 0.3 < 0.4
+    assert cover.to_compute(2) == (1,)  # the surplus (0.3) does not pay for page 1 (0.4)
+    cover.took(1, (0, 1, 2))
+    assert cover.to_compute(2) == ()    # now it does (0.4 <= 0.4)
+
+
+def test_the_surplus_pays_for_the_least_attended_pages_ahead_first():
+    scores = [torch.tensor([0.0]), torch.tensor([0.2, 0.5]), torch.tensor([0.1, 0.9])]
+    cover = Coverage([(), (0, 1), (0, 1)], scores)
+    cover.surplus = 0.35
+    assert cover.to_compute(1) == (1,)     # chunk 2's 0.1 goes first, then chunk 1's 0.2 (0.3 <= 0.35)
+    cover.took(1, (1,))
+    assert cover.surplus == pytest.approx(0.15) and cover.to_compute(2) == (1,)
+
+
+def test_without_attention_a_cached_choice_must_hold_the_own_one():
+    cover = Coverage([(), (0, 2)], None)
+    assert cover.value(1)((0, 1, 2)) == 0.0 and cover.value(1)((0, 1)) is None
+    cover.took(1, (0, 1, 2))
+    assert cover.to_compute(1) == (0, 2)
 
 
 @pytest.fixture(scope="module")
@@ -239,16 +271,18 @@ def recomputed_rows(p):
 
 
 def own_choice(paged_store, tiny, recompute, req):
-    """The rows `req` recomputes when nothing is reused (its own choice)."""
+    """The rows `req` recomputes when nothing is reused (its own choice), and the attention its
+    question pays each of its rows (None for `head`)."""
     alone = Engine(tiny, paged_store, "lazy", cache_bytes=8 << 20, batch_size=4,
                    recompute=Recompute(recompute.fraction, recompute.policy, recompute.layer, reuse=False))
     (seq,) = place(alone, [req])
+    mass = alone.runner.row_attention([seq], alone.ranking_layer)[0] if recompute.needs_scores else None
     alone._choose_recompute([seq])
-    return sorted(row for row, _ in seq.placement.recompute)
+    return sorted(row for row, _ in seq.placement.recompute), mass
 
 
 @pytest.mark.parametrize("policy", ["head", "attention"])
-def test_a_request_reads_every_page_of_its_own_choice_recomputed_whatever_it_reuses(paged_store, tiny, policy):
+def test_what_a_request_reads_recomputed_covers_its_own_choice_whatever_it_reuses(paged_store, tiny, policy):
     recompute = Recompute(0.4, policy, layer=1)
     a, b, c = same_context(paged_store, tiny)  # c shares a's first two documents, then another
     engine = Engine(tiny, paged_store, "lazy", cache_bytes=8 << 20, batch_size=4, recompute=recompute)
@@ -257,13 +291,19 @@ def test_a_request_reads_every_page_of_its_own_choice_recomputed_whatever_it_reu
         (seq,) = place(engine, [req])
         engine._choose_recompute([seq])
         p = seq.placement
-        own = own_choice(paged_store, tiny, recompute, req)
+        own, mass = own_choice(paged_store, tiny, recompute, req)
         private = recomputed_rows(p)
-        assert set(own) <= set(private)  # reused or computed: never a shared page where it chose one
         computed = sorted(row for row, _ in p.recompute)
         assert set(computed) <= set(own)  # it computes nothing beyond its own choice
         reused = [e for e in p.recomputed if e not in p.created]
         assert len(private) == len(computed) + sum(len(e.selection) for e in reused)
+        if mass is None:
+            assert set(own) <= set(private)  # reused or computed: never a shared page where it chose one
+        else:  # at every chunk, what it reads recomputed so far holds what its own choice holds
+            ends = np.cumsum([p.n_preamble] + p.chunk_rows)
+            for end in ends[1:]:
+                held = sum(mass[r].item() for r in private if r < end)
+                assert held >= sum(mass[r].item() for r in own if r < end) - 1e-6
         engine._prefill([seq])
         seq.placement.release(engine.cache)
 
@@ -289,7 +329,8 @@ def test_a_shared_prefix_is_recomputed_whole_once_and_read_by_the_prompts_after(
         second = p.n_preamble + p.chunk_rows[0]
         assert p.recomputed[0] in whole and p.recomputed[0].selection == tuple(range(p.chunk_rows[1]))
         assert all(row >= second + p.chunk_rows[1] for row, _ in p.recompute)  # its own choice after the prefix
-        assert set(own_choice(paged_store, tiny, recompute, req)) <= set(recomputed_rows(p))
+        own, mass = own_choice(paged_store, tiny, recompute, req)
+        assert sum(mass[r].item() for r in recomputed_rows(p)) >= sum(mass[r].item() for r in own) - 1e-6
         engine._prefill([seq])
         seq.placement.release(engine.cache)
 
@@ -343,3 +384,22 @@ def test_pages_a_failed_step_was_to_recompute_are_never_reused(paged_store, tiny
     assert again.placement.recompute  # computed afresh, not read from pages that hold nothing
 
 
+
+
+def test_a_request_takes_another_questions_choice_where_its_attention_is_covered(paged_store, tiny):
+    """After a whole shared chunk (more than its own choice there), b reads a's choice in a later
+    chunk though it would have picked another page, and computes nothing: what it reads holds
+    at least its own choice's attention."""
+    recompute = Recompute(0.4, Policy.ATTENTION, layer=1)
+    a, b, _ = (replace(r, shared_prefix=2) for r in same_context(paged_store, tiny))
+    engine = Engine(tiny, paged_store, "lazy", cache_bytes=8 << 20, batch_size=4, recompute=recompute)
+    run_alone(engine, [a])
+    (seq,) = place(engine, [b])
+    engine._choose_recompute([seq])
+    p = seq.placement
+    own, mass = own_choice(paged_store, tiny, recompute, b)
+    private = recomputed_rows(p)
+    assert p.recompute == [] and not set(own) <= set(private)
+    assert sum(mass[r].item() for r in private) >= sum(mass[r].item() for r in own)
+    c = engine.cache.counters
+    assert c.reused_tokens > 0
