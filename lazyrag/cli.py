@@ -298,8 +298,10 @@ def answer(
     chunk_order: ChunkOrder = typer.Option(AnswerConfig.chunk_order,
                                     help="lazy: the order of each prompt's documents: given, or popular (most "
                                          "used in the run first, ties as given), so leading chunks repeat and "
-                                         "recomputed pages are reused (with --recompute-reuse). --audit "
-                                         "compares with full on the given order."),
+                                         "recomputed pages are reused far more often (with --recompute-reuse), "
+                                         "at the cost of answers that move away from full on the given order "
+                                         "where prompts share documents (docs/quality.md). --audit compares "
+                                         "with full on the given order."),
     ape_temperature: float = typer.Option(AnswerConfig.ape_temperature, metavar="T",
                                           help="lazy and block only: APE's correction of the attention a question "
                                                "pays to separately encoded chunks, its logits to chunk keys divided "

@@ -83,7 +83,9 @@ class AnswerConfig:
     recompute_policy: str = "attention"  # head (first pages of each chunk) or attention (the question's)
     recompute_layer: int | None = None  # the layer ranking pages (attention policy); None: Recompute's default
     recompute_reuse: bool = True  # lazy: keep recomputed pages cached for later requests with the same leading chunks
-    chunk_order: ChunkOrder = ChunkOrder.POPULAR
+    # popular makes prompts share leading chunks (far more reuse) but changes each prompt: on news questions
+    # sharing popular documents it moved answers further from full on the given order (docs/quality.md)
+    chunk_order: ChunkOrder = ChunkOrder.GIVEN
     # APE's attention temperature and scale on the question's attention to the chunks (lazy, block); 1 = off
     ape_temperature: float = 1.0
     ape_scale: float = 1.0

@@ -189,8 +189,8 @@ class Sweep:
 def batch_sweep(kw: dict, loaded, store, prompts, questions, cache_gb: float, args, model: str, save, out,
                 uniform=None) -> list:
     """Closed runs of lazy without recompute, full, and at each --recompute fraction: lazy as `answer`
-    runs it by default (recomputed pages reused, popular order), lazy without reuse (the given
-    order: `--no-recompute-reuse`) and block with the same recompute; each at every --batch-sizes
+    runs it by default (recomputed pages reused, the given order), with `--chunk-order popular`,
+    without reuse (`--no-recompute-reuse`) and block with the same recompute; each at every --batch-sizes
     value and every --sweep-requests count: a mode's best batch size against another's best."""
     from lazyrag.serve import Recompute
 
@@ -201,8 +201,9 @@ def batch_sweep(kw: dict, loaded, store, prompts, questions, cache_gb: float, ar
         if args.per_request_too:  # lazy with each request reading its own pages: what chunk-major buys
             configs.append(Sweep("lazy", shared=False, requests=n))
         for f in args.recompute:
-            if f:
-                configs += [Sweep("lazy", f, reuse=True, order="popular", requests=n), Sweep("lazy", f, requests=n)]
+            if f:  # answer's default (reuse, given order), with popular order, and without reuse
+                configs += [Sweep("lazy", f, reuse=True, requests=n), Sweep("lazy", f, reuse=True, order="popular",
+                                                                         requests=n), Sweep("lazy", f, requests=n)]
             if not args.skip_block:
                 configs.append(Sweep("block", f, requests=n))
             if args.per_request_too and f:
@@ -210,7 +211,7 @@ def batch_sweep(kw: dict, loaded, store, prompts, questions, cache_gb: float, ar
         if uniform is not None:  # popularity without skew: little to reuse
             configs += [Sweep("lazy", workload="uniform", requests=n)]
             configs += [Sweep("lazy", f, reuse=r, order=o, workload="uniform", requests=n)
-                        for f in args.recompute if f for r, o in ((True, "popular"), (False, "given"))]
+                        for f in args.recompute if f for r, o in ((True, "given"), (True, "popular"), (False, "given"))]
     cold = [c for c in configs if c.mode == "lazy" and c.workload == "zipf"]
     if args.warm:  # each lazy and block run again, on a cache warmed by one untimed pass
         configs += [dataclasses.replace(c, warm=True) for c in configs if c.mode != "full"]

@@ -1,5 +1,6 @@
-"""`answer` with recompute reuse and --chunk-order popular, end to end (random:tiny on the CPU):
-answers under their own ids, the audit against full on the given order, the counters in stats."""
+"""`answer` with recompute reuse, in the given order and with --chunk-order popular, end to end
+(random:tiny on the CPU): answers under their own ids, the audit against full on the given order,
+the counters in stats."""
 
 import json
 
@@ -29,7 +30,7 @@ def queries(tmp_path):
 def test_popular_order_answers_every_query_under_its_id_and_reuses_recomputed_pages(store, tmp_path):
     q = queries(tmp_path)
     res = answer(q, store, tmp_path / "a.jsonl", "--recompute", "0.5", "--recompute-policy", "head",
-                 "--batch-size", "1", "-q")
+                 "--chunk-order", "popular", "--batch-size", "1", "-q")
     assert res.exit_code == 0, res.output
     got = {r["id"]: r for r in rows(tmp_path / "a.jsonl")}
     assert sorted(got) == ["q1", "q2", "q3", "q4"]
@@ -44,6 +45,16 @@ def test_popular_order_answers_every_query_under_its_id_and_reuses_recomputed_pa
     assert overall["reused_tokens"] >= c["reused_tokens"]
     table = cli("stats", "--store", store)
     assert "selective recompute" in table.stdout and "popular" in table.stdout
+
+
+def test_by_default_prompts_keep_the_given_order_and_reuse_what_repeats(store, tmp_path):
+    res = answer(queries(tmp_path), store, tmp_path / "a.jsonl", "--recompute", "0.5", "--recompute-policy", "head",
+                 "--batch-size", "1", "-q")
+    assert res.exit_code == 0, res.output
+    run = last_run(store)
+    assert run["settings"]["chunk_order"] == "given" and run["settings"]["recompute_reuse"] is True
+    assert run["cache"]["reused_tokens"] > 0  # q4 gives q1's documents in q1's order
+    assert len({r["chunks"][0] for r in rows(tmp_path / "a.jsonl")}) == 3  # mars, piano, saturn lead
 
 
 def test_without_reuse_nothing_is_reused_and_prompts_keep_the_given_order(store, tmp_path):
@@ -67,7 +78,8 @@ def test_the_audit_compares_with_full_on_the_order_the_query_gave(store, tmp_pat
             return super().run(requests, *a, **kw)
 
     monkeypatch.setattr(audit, "Engine", Recording)
-    res = answer(queries(tmp_path), store, tmp_path / "a.jsonl", "--recompute", "0.5", "--audit", "4", "-q")
+    res = answer(queries(tmp_path), store, tmp_path / "a.jsonl", "--recompute", "0.5", "--chunk-order", "popular",
+                 "--audit", "4", "-q")
     assert res.exit_code == 0, res.output
     given = {"q1": ["mars", "jupiter"], "q2": ["piano", "jupiter", "saturn"], "q3": ["saturn", "jupiter"],
              "q4": ["mars", "jupiter"]}
