@@ -14,6 +14,8 @@ has them. The first half of the MuSiQue questions (1-75 of 150, file order) choo
 default F: the smallest F of the grid below 1 that closes at least half of the gap between
 F=0 and full in both mean KL and gold log-likelihood (else the one closing the most). The
 second half and the news questions (own document + 4 BM25 neighbours, shuffled) report it.
+`--held-out news-shared` measures reuse and chunk order where prompts share documents
+(each news question's own document + 4 drawn by Zipf popularity from 20 others).
 
 Each corpus is indexed once into --work, and full's answers and logits and every
 configuration's figures are kept there, so an interrupted run resumes (a new --work, or
@@ -26,6 +28,7 @@ Usage: python scripts/eval_quality.py [--data ../shared/data] [--per-split 75] [
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import inspect
 import json
 import platform
@@ -201,6 +204,31 @@ def news_queries(args) -> list[dict]:
     return rows
 
 
+def shared_news_queries(args, pool: int = 20) -> list[dict]:
+    """News questions whose prompts share documents, as a batch over a popular set shares them:
+    each question's own document and 4 drawn from `pool` other news documents by Zipf(2.1)
+    popularity (lazyrag/workload.py), shuffled. In popular order many prompts start with the same
+    documents, so whole shared chunks are recomputed once and read by the rest: reuse at work on
+    real text."""
+    from lazyrag.workload import PAPER, draw_docs
+
+    src = args.data / "news"
+    corpus = jsonl(src / "corpus.jsonl")
+    questions = jsonl(src / "queries.jsonl")[: args.news_limit]
+    own = [q["id"].replace("news-q", "news-") for q in questions]
+    others = [d["id"] for d in corpus if d["id"] not in set(own)][:pool]
+    rng = random.Random(0)
+    draws = draw_docs(rng, replace(PAPER, docs=pool, per_prompt=4), len(questions), PAPER.alpha)
+    rows = []
+    for q, mine, drawn in zip(questions, own, draws):
+        docs = [mine] + [others[int(d.removeprefix("doc"))] for d in drawn]
+        rng.shuffle(docs)
+        rows.append({"id": q["id"], "question": q["question"], "docs": docs})
+    by_id = {d["id"]: d for d in corpus}
+    write_jsonl(args.work / "news-shared-corpus.jsonl", [by_id[d] for d in sorted({d for r in rows for d in r["docs"]})])
+    return rows
+
+
 @dataclass
 class Split:
     """Questions measured together: their requests and, on MuSiQue, the first gold answer's ids."""
@@ -226,6 +254,9 @@ def splits_of(corpus: str, queries: list[dict], loaded: LoadedModel, args, halve
     reqs = [Request(q.id, resolve_chunks(store, q, None, 5), fmt.question_ids(q.question), FORCED_TOKENS) for q in qs]
     if corpus == "news":
         return [Split(f"{corpus}-1-{len(reqs)}", f"news, {len(reqs)} questions", store, reqs, None)]
+    if corpus == "news-shared":
+        return [Split(f"{corpus}-{len(reqs)}", f"news, {len(reqs)} questions sharing popular documents", store,
+                      reqs, None)]
     gold = [fmt.encode(q.answers[0]) for q in qs]  # the answer opens the assistant turn
     if not halves:
         return [Split(f"{corpus}-report", f"MuSiQue questions 76-{75 + len(reqs)}", store, reqs, gold)]
@@ -363,9 +394,13 @@ def measure(cfg: Config, split: Split, ref: dict, loaded: LoadedModel, args) -> 
                    kl_mean=sum(kl) / len(kl) if kl else 0.0, top1_agreement=sum(top1) / len(top1) if top1 else 1.0,
                    tokens=len(kl))
     row = {**asdict(cfg), **fid.to_json(), "gold_loglik": sum(gold) / len(gold) if gold else None,
-           "seconds": round(sum(q["seconds"] for q in per_question), 1)}
+           "seconds": round(sum(q["seconds"] for q in per_question), 1),
+           # per question, in the greedy pass (absent from batches measured before they were counted)
+           "recomputed_tokens": round(sum(q.get("recomputed_tokens", 0) for q in per_question) / len(per_question), 1),
+           "reused_tokens": round(sum(q.get("reused_tokens", 0) for q in per_question) / len(per_question), 1)}
     print(f"{split.name} {cfg.key}: KL {row['kl_mean']:.4f}, top-1 {row['top1_agreement']:.3f}, "
-          f"identical {row['identical']:.3f}, gold {row['gold_loglik']}, {row['seconds']}s", flush=True)
+          f"identical {row['identical']:.3f}, gold {row['gold_loglik']}, recomputed / reused tokens "
+          f"{row['recomputed_tokens']} / {row['reused_tokens']}, {row['seconds']}s", flush=True)
     return row
 
 
@@ -380,12 +415,16 @@ def measure_batch(cfg: Config, engine: Engine, split: Split, ref: dict, loaded: 
         others = reqs[1:] + reqs[:1]
         engine.run([Request(f"prime-{r.id}", r.chunks, o.question_ids, 1) for r, o in zip(reqs, others)],
                    lambda seq: None)
+    before = engine.cache.counters.recomputed_tokens, engine.cache.counters.reused_tokens
     engine.run(reqs, lambda seq: ids.__setitem__(seq.id, seq.generated))
+    recomputed, reused = (after - b4 for after, b4 in zip((engine.cache.counters.recomputed_tokens,
+                                                            engine.cache.counters.reused_tokens), before))
     logits = engine.teacher_forced_logits(reqs, ref["forced"][b: b + n])
     gold = engine.continuation_logprobs(reqs, split.gold[b: b + n]) if split.gold else [None] * len(reqs)
     seconds = (time.perf_counter() - t) / len(reqs)
     return [{"kl": token_kl(f, m).tolist(), "top1": top1_matches(f, m).tolist(), "answer": answer_text(loaded, ids[r.id]),
-             "gold": g, "seconds": seconds}
+             "gold": g, "seconds": seconds, "recomputed_tokens": recomputed / len(reqs),
+             "reused_tokens": reused / len(reqs)}  # in the greedy pass, shared out over the batch
             for r, f, m, g in zip(reqs, ref["logits"][b: b + n], logits, gold)]
 
 
@@ -451,8 +490,9 @@ def header(args, loaded: LoadedModel) -> dict:
     return {"command": "python scripts/eval_quality.py " + shlex.join(sys.argv[1:]),
             "date": time.strftime("%Y-%m-%d"), "model": f"{DEFAULT_MODEL} (SmolLM2-135M-Instruct, Q4_1 GGUF dequantised)",
             "device": f"{args.device} ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads), {dtypes}",
+            # bm25s picks the news questions' neighbour documents: another version, other prompts
             "versions": {"python": platform.python_version(), "torch": torch.__version__,
-                         "transformers": transformers.__version__},
+                         "transformers": transformers.__version__, "bm25s": importlib.metadata.version("bm25s")},
             "forced_tokens": FORCED_TOKENS, "batch_size": args.batch_size, "policies": policies(),
             "ape": list(APE) if engine_has_ape() else None}
 
@@ -492,7 +532,7 @@ def run_split(split: Split, configs: list[Config], loaded: LoadedModel, args, re
 
 
 def save(res: dict) -> None:
-    order = ["musique-select", "musique-report", "news"]  # selection, then the reported splits
+    order = ["musique-select", "musique-report", "news-1-", "news-shared"]  # selection, then the reported splits
     res["splits"] = dict(sorted(res["splits"].items(), key=lambda kv: next(
         (i for i, name in enumerate(order) if kv[0].startswith(name)), len(order))))
     RESULTS.mkdir(parents=True, exist_ok=True)
@@ -513,7 +553,8 @@ def main() -> None:
     ap.add_argument("--cache-gb", type=float, default=5.0, help="page pool: 16 MuSiQue prompts of fp32 KV need ~5 GB")
     ap.add_argument("--lean", action="store_true", help="on the reported questions lazy alone, at F=0 and "
                     "the default (block and APE are measured on the selection questions): for a slow CPU")
-    ap.add_argument("--held-out", choices=["news", "musique"], help="only this reported split (news, or MuSiQue "
+    ap.add_argument("--held-out", choices=["news", "musique", "news-shared"], help="only this reported split (news, "
+                    "news-shared: news questions over shared popular documents, or MuSiQue "
                     "76-150), lazy at F=0 and at the default already chosen in docs/results/quality-recompute.json, "
                     "whose other tables are kept: more reported questions without choosing the default again")
     ap.add_argument("--configs", help="with --held-out: measure lazy at F=0 and these configurations instead of "
@@ -528,9 +569,10 @@ def main() -> None:
     if args.held_out:
         res = json.loads((RESULTS / "quality-recompute.json").read_text())
         res.setdefault("held_out", {})[args.held_out] = header(args, loaded)
-        name = "news" if args.held_out == "news" else "musique-report"
+        name = {"news": "news-1-", "news-shared": "news-shared", "musique": "musique-report"}[args.held_out]
         res["splits"] = {k: v for k, v in res["splits"].items() if not k.startswith(name)}  # replaced, not kept
-        queries = news_queries(args) if args.held_out == "news" else musique_queries(args, selection=False)
+        queries = {"news": news_queries, "news-shared": shared_news_queries}.get(
+            args.held_out, lambda a: musique_queries(a, selection=False))(args)
         (split,) = splits_of(args.held_out, queries, loaded, args, halves=False)
         d = res["default"]
         configs = [LAZY, *parse_configs(args.configs)] if args.configs else at_default(
