@@ -416,8 +416,9 @@ def bench(
     --json prints {"bench": [row, ...], ...}, each row: mode, recompute (null for full),
     batch_size, pass (cold or warm), queries, seconds, req_per_s, ttft_p50_ms,
     ttft_p95_ms, latency_p50_ms, hit_ratio, kv_peak_bytes, bytes_read, recomputed_tokens,
-    reused_tokens, reuse_ratio, new_tokens, failed, and fidelity to full on the sample as answer --audit measures it:
-    identical, f1_to_full, kl_mean (nats per token), top1_agreement.
+    reused_tokens, reuse_ratio, new_tokens, failed, and fidelity to full on the sample as
+    answer --audit measures it: identical, f1_to_full, kl_mean (nats per token),
+    top1_agreement.
     """
     from lazyrag.commands.bench import render_bench, run_bench
 
