@@ -378,6 +378,19 @@ def labelled_phases():
         StepInputs.upload = upload
 
 
+def use_read_threads(threads: int) -> None:
+    """For the engines made from now on, a new reader process with `threads` chunk reads at once
+    (the loader's count)."""
+    from lazyrag.serve import loader
+    from lazyrag.store import read_process
+
+    loader.chunk_read_threads = lambda: threads
+    with read_process._shared_lock:
+        old, read_process._shared = read_process._shared, None
+    if old is not None:
+        old.close()
+
+
 def profile_run(engine_args: dict, loaded, store, mode: str, prompts, questions, cache_gb: float,
                 batch_size: int, model: str, warm: bool = False, trace: Path | None = None) -> dict:
     """One closed run under torch.profiler: where the time goes (GPU busy share, top kernels, the
@@ -462,16 +475,15 @@ def bench_model(model: str, args, root: Path, save) -> dict:
     if args.profile:  # with the last --recompute fraction, if any: where recompute's time goes
         from lazyrag.serve import Recompute
         pkw = dict(kw, recompute=Recompute(args.recompute[-1], args.recompute_policy)) if args.recompute else kw
-        from lazyrag.store import parallel_reads
         out["profile"] = {}
         for threads in args.read_threads or [None]:
-            if threads:  # the store's readers are the process's: replaced for the runs that follow
-                parallel_reads.shared_reads().close()
-                parallel_reads._shared = parallel_reads.ParallelReads(threads)
-            for m in ("lazy", "block") if threads == (args.read_threads or [None])[0] else ("lazy",):
-                for warm in (False, True) if args.warm else (False,):
+            if threads:
+                use_read_threads(threads)
+            first = threads == (args.read_threads or [None])[0]
+            for m in ("lazy", "block") if first and not args.skip_block else ("lazy",):
+                for warm in (False, True) if args.warm and first else (False,):
                     name = f"{m}{'-warm' if warm else ''}{f'-{threads}t' if threads else ''}"
-                    trace = (out_dir() / f"trace-{name}.json.gz") if args.trace and not warm else None
+                    trace = (out_dir() / f"trace-{name}.json.gz") if args.trace else None
                     out["profile"][name] = profile_run(pkw, loaded, store, m, zipf[:args.profile], questions, cache,
                                                        args.batch_size, model, warm=warm, trace=trace)
                     save(out)
@@ -706,11 +718,12 @@ def main() -> None:
                          "host-to-device copy time, host waits, top kernels) before the timed runs, with the last "
                          "--recompute fraction if any; cold, and with --warm also the timed pass of a warm run")
     ap.add_argument("--read-threads", type=lambda s: [int(x) for x in s.split(",") if x], default=[],
-                    help="with --profile, profile at each of these counts of store reader threads (block at the "
-                         "first only); the timed runs after keep the last")
+                    help="with --profile, profile at each of these counts of chunk reads at once (the loader's "
+                         "reader process; block and warm runs at the first only, block not with --skip-block); "
+                         "the timed runs after keep the last")
     ap.add_argument("--trace", action="store_true",
-                    help="with --profile, also write each profiled run's trace to $OUT/trace-<mode>.json.gz "
-                         "(Chrome trace format), the engine's host phases labelled")
+                    help="with --profile, also write each profiled run's trace (cold and warm) to "
+                         "$OUT/trace-<run>.json.gz (Chrome trace format), the engine's host phases labelled")
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--recompute", type=lambda s: [float(x) for x in s.split(",") if x], default=[],
                     help="only the batch sweep: lazy (no recompute), full, then lazy and block at each of these "
