@@ -3,8 +3,8 @@
 The look-ahead names the chunks coming requests need, in the order they will need them. Reads
 start in that order while the bytes read ahead and not yet loaded stay within a budget (the
 staging buffers they land in), and every load that consumes one starts the next, so the store
-is read while the GPU works. Each read takes one whole chunk, at most half the cores' worth at
-once (`chunk_read_threads`), and runs in the reader process (lazyrag/store/read_process.py),
+is read while the GPU works. At most half the cores' worth of chunks are read at once
+(`chunk_read_threads`), each by the reader process (lazyrag/store/read_process.py) in pieces,
 which writes the staging buffers it shares with this one: on an H200 machine (16 cores) 8
 reader threads in the serving process slowed the step loop's launches 1.5x, the same reads in
 another process not at all (scripts/bench_read_contention.py). Host to GPU copies go on their

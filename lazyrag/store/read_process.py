@@ -5,7 +5,8 @@ with the GIL released, slowed the step loop's CUDA launches 1.5x on an H200 mach
 reads in another process left them alone (scripts/bench_read_contention.py). So the loader's
 staging buffers are SharedBuffers: memfd memory mapped here (and pinned on a GPU machine) and in
 the reader process (read_process_child.py, started once per process), which fills them with
-pread and returns each range's crc32c. Messages are JSON over a Unix socket, no pickle.
+pread and returns each range's crc32c. A range goes as pieces its threads share, so the chunk
+needed first lands first. Messages are JSON over a Unix socket, no pickle.
 """
 
 from __future__ import annotations
@@ -25,9 +26,11 @@ from pathlib import Path
 import torch
 
 from .format import StoreError
+from .parallel_reads import crc32c_combine
 
 CHILD = Path(__file__).with_name("read_process_child.py")
 MAX_MESSAGE = 1 << 16
+PIECE_BYTES = 16 << 20  # a read's pieces: 16 for an 8B model's 2,048-token chunk
 
 
 class SharedBuffer:
@@ -94,23 +97,30 @@ class ReadProcess:
 
     def read(self, buffer: SharedBuffer, at: int, path: str | Path, offset: int, nbytes: int) -> int:
         """Read ``nbytes`` of ``path`` from ``offset`` into ``buffer`` at ``at``; their crc32c.
-        StoreError (naming the file) when the read fails."""
+        StoreError (naming the file) when the read fails. The range goes as pieces of at most
+        PIECE_BYTES, queued together: the process's threads share it, so the ranges asked for
+        first finish first (whole ranges on one thread each would all finish late together)."""
         if at < 0 or at + nbytes > buffer.nbytes:
             raise ValueError(f"bytes {at}..{at + nbytes} are outside the {buffer.nbytes}-byte buffer")
-        done: Future = Future()
+        pieces = [(start, min(PIECE_BYTES, nbytes - start)) for start in range(0, nbytes, PIECE_BYTES)] or [(0, 0)]
+        waits: list[Future] = []
         with self._lock:
             child = self._running()
-            rid = next(self._ids)
-            child.waiting[rid] = done
             if buffer.id not in child.buffers:
                 child.send({"op": "buffer", "id": buffer.id}, (buffer.fd,))
                 child.buffers.add(buffer.id)
-            child.send({"op": "read", "id": rid, "buffer": buffer.id, "at": at, "path": str(path),
-                        "offset": offset, "nbytes": nbytes})
-        answer = done.result()
-        if "error" in answer:
-            raise StoreError(f"the reader process could not read {nbytes:,} bytes at {offset:,}: {answer['error']}")
-        return int(answer["crc"])
+            for start, n in pieces:
+                rid = next(self._ids)
+                waits.append(child.waiting.setdefault(rid, Future()))
+                child.send({"op": "read", "id": rid, "buffer": buffer.id, "at": at + start, "path": str(path),
+                            "offset": offset + start, "nbytes": n})
+        answers = [done.result() for done in waits]  # every piece has stopped writing before an error is raised
+        crc = 0
+        for (_, n), answer in zip(pieces, answers):
+            if "error" in answer:
+                raise StoreError(f"the reader process could not read {nbytes:,} bytes at {offset:,}: {answer['error']}")
+            crc = crc32c_combine(crc, int(answer["crc"]), n)
+        return crc
 
     def start(self) -> None:
         """Start the process now (the first read would), before the GPU is busy."""

@@ -24,15 +24,27 @@ import crc32c
 MAX_MESSAGE = 1 << 16
 
 
-def read_range(path: str, view: memoryview, offset: int) -> None:
+PIECE = 4 << 20  # bytes read, then checksummed while they are still in the CPU's cache
+
+
+def read_range(path: str, view: memoryview, offset: int) -> int:
+    """Read len(view) bytes of the file at offset into view; their crc32c, taken piece by piece as
+    they land (one pass over memory fewer than checksumming the whole range after)."""
     fd = os.open(path, os.O_RDONLY)
     try:
-        done = 0
+        done, crc = 0, 0
         while done < len(view):
-            n = os.preadv(fd, [view[done:]], offset + done)
-            if n <= 0:
-                raise EOFError(f"the file ends at byte {offset + done}, inside the range read")
-            done += n
+            piece = view[done: done + PIECE]
+            got = 0
+            while got < len(piece):
+                n = os.preadv(fd, [piece[got:]], offset + done + got)
+                if n <= 0:
+                    raise EOFError(f"the file ends at byte {offset + done + got}, inside the range read")
+                got += n
+            crc = crc32c.crc32c(piece, crc)
+            piece.release()
+            done += got
+        return crc
     finally:
         os.close(fd)
 
@@ -53,8 +65,7 @@ def main() -> None:
             try:
                 buf = buffers[msg["buffer"]]
                 view = memoryview(buf)[msg["at"]: msg["at"] + msg["nbytes"]]
-                read_range(msg["path"], view, msg["offset"])
-                reply({"id": msg["id"], "crc": crc32c.crc32c(view)})
+                reply({"id": msg["id"], "crc": read_range(msg["path"], view, msg["offset"])})
                 view.release()
             except OSError as e:
                 reply({"id": msg["id"], "error": f"{e.strerror or e}: {msg['path']}"})

@@ -76,3 +76,19 @@ def test_a_dead_process_fails_the_reads_in_flight_and_the_next_read_starts_anoth
     assert reads.read(buf, 10, data, 0, 300) == crc32c.crc32c(b"abc" * 100)  # a new process, the buffer sent again
     assert reads._child.proc.pid != first.pid
     assert bytes(buf.tensor[10:310].numpy()) == b"abc" * 100
+
+
+def test_a_range_read_in_pieces_lands_whole_with_the_crc32c_of_all_of_it(tmp_path, reads, monkeypatch):
+    from lazyrag.store import read_process
+
+    monkeypatch.setattr(read_process, "PIECE_BYTES", 64 * 1024 + 3)  # odd, so pieces end mid-page
+    data = os.urandom(1 << 20)
+    path = tmp_path / "segment"
+    path.write_bytes(data)
+    buf = SharedBuffer(2 << 20)
+    assert reads.read(buf, 5, path, 1000, len(data) - 1000) == crc32c.crc32c(data[1000:])
+    assert bytes(buf.tensor[5: 5 + len(data) - 1000].numpy()) == data[1000:]
+    short = tmp_path / "short"
+    short.write_bytes(data[: 200_000])  # the first pieces read, a later one runs off the end
+    with pytest.raises(StoreError, match="ends at byte 200000"):
+        reads.read(buf, 0, short, 0, 300_000)
