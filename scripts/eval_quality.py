@@ -48,7 +48,7 @@ from safetensors.torch import save_file
 from lazyrag.commands.audit import answer_text
 from lazyrag.commands.index import build_index
 from lazyrag.commands.queries import read_queries, resolve_chunks
-from lazyrag.config import DEFAULT_MODEL, ChunkOrder, IndexConfig, Mode
+from lazyrag.config import DEFAULT_MODEL, PAGE_SIZES, ChunkOrder, IndexConfig, Mode
 from lazyrag.eval.fidelity import FORCED_TOKENS, Fidelity, mean_logprob, token_kl, top1_matches
 from lazyrag.eval.scoring import agreement
 from lazyrag.kernels.rope import rope
@@ -170,15 +170,16 @@ def write_jsonl(path: Path, rows: list[dict]) -> None:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
-def musique_queries(args, selection: bool = True) -> list[dict]:
-    """The first --per-split of the selection half (questions 1-75, unless `selection` is
-    False) and of the reported half (76-150)."""
+def musique_queries(args, selection: bool = True, report: bool = True) -> list[dict]:
+    """The first --per-split of the selection half (questions 1-75) and of the reported half
+    (76-150), each where asked for; their documents written as the corpus of that choice."""
     src = args.data / "musique"
     queries = jsonl(src / "queries.jsonl")
     half = len(queries) // 2
-    queries = (queries[:half][: args.per_split] if selection else []) + queries[half:][: args.per_split]
+    queries = (queries[:half][: args.per_split] if selection else []) + (queries[half:][: args.per_split] if report else [])
     needed = {d for q in queries for d in q["docs"]}
-    write_jsonl(args.work / "musique-corpus.jsonl", [d for d in jsonl(src / "corpus.jsonl") if d["id"] in needed])
+    name = "musique" if report else "musique-select"
+    write_jsonl(args.work / f"{name}-corpus.jsonl", [d for d in jsonl(src / "corpus.jsonl") if d["id"] in needed])
     return queries
 
 
@@ -245,24 +246,30 @@ def splits_of(corpus: str, queries: list[dict], loaded: LoadedModel, args, halve
     halves (selection, report) or, with halves False, the reported half alone; news whole."""
     path = args.work / f"{corpus}.jsonl"
     write_jsonl(path, queries)
-    store_path = args.work / f"{corpus}.zarr"
+    page = f"-p{args.page_size}" if args.page_size != IndexConfig.page_size else ""  # its own store and figures
+    store_path = args.work / f"{corpus}{page}.zarr"
     build_index(IndexConfig(corpus=args.work / f"{corpus}-corpus.jsonl", store=store_path, model=DEFAULT_MODEL,
-                            device=args.device), progress=False, loaded=loaded)
+                            device=args.device, page_size=args.page_size), progress=False, loaded=loaded)
     store = Store.open(store_path)
     fmt = PromptFormat(loaded.tokenizer)
     qs = list(read_queries(path, print))
     reqs = [Request(q.id, resolve_chunks(store, q, None, 5), fmt.question_ids(q.question), FORCED_TOKENS) for q in qs]
+    pages = f", page size {args.page_size}" if page else ""
     if corpus == "news":
-        return [Split(f"{corpus}-1-{len(reqs)}", f"news, {len(reqs)} questions", store, reqs, None)]
+        return [Split(f"{corpus}-1-{len(reqs)}{page}", f"news, {len(reqs)} questions{pages}", store, reqs, None)]
     if corpus == "news-shared":
-        return [Split(f"{corpus}-{len(reqs)}", f"news, {len(reqs)} questions sharing popular documents", store,
-                      reqs, None)]
+        return [Split(f"{corpus}-{len(reqs)}{page}", f"news, {len(reqs)} questions sharing popular documents{pages}",
+                      store, reqs, None)]
     gold = [fmt.encode(q.answers[0]) for q in qs]  # the answer opens the assistant turn
+    if corpus == "musique-select":
+        return [Split(f"{corpus}-p{args.page_size}", f"MuSiQue questions 1-{len(reqs)} (selection), page size "
+                      f"{args.page_size}", store, reqs, gold)]
     if not halves:
-        return [Split(f"{corpus}-report", f"MuSiQue questions 76-{75 + len(reqs)}", store, reqs, gold)]
+        return [Split(f"{corpus}-report{page}", f"MuSiQue questions 76-{75 + len(reqs)}{pages}", store, reqs, gold)]
     k = (len(reqs) + 1) // 2
-    return [Split(f"{corpus}-select", f"MuSiQue questions 1-{k} (selection)", store, reqs[:k], gold[:k]),
-            Split(f"{corpus}-report", f"MuSiQue questions 76-{75 + len(reqs) - k}", store, reqs[k:], gold[k:])]
+    return [Split(f"{corpus}-select{page}", f"MuSiQue questions 1-{k} (selection){pages}", store, reqs[:k], gold[:k]),
+            Split(f"{corpus}-report{page}", f"MuSiQue questions 76-{75 + len(reqs) - k}{pages}", store, reqs[k:],
+                  gold[k:])]
 
 
 # ---- measuring --------------------------------------------------------------------------------
@@ -493,7 +500,8 @@ def header(args, loaded: LoadedModel) -> dict:
             # bm25s picks the news questions' neighbour documents: another version, other prompts
             "versions": {"python": platform.python_version(), "torch": torch.__version__,
                          "transformers": transformers.__version__, "bm25s": importlib.metadata.version("bm25s")},
-            "forced_tokens": FORCED_TOKENS, "batch_size": args.batch_size, "policies": policies(),
+            "forced_tokens": FORCED_TOKENS, "batch_size": args.batch_size, "page_size": args.page_size,
+            "policies": policies(),
             "ape": list(APE) if engine_has_ape() else None}
 
 
@@ -553,10 +561,14 @@ def main() -> None:
     ap.add_argument("--cache-gb", type=float, default=5.0, help="page pool: 16 MuSiQue prompts of fp32 KV need ~5 GB")
     ap.add_argument("--lean", action="store_true", help="on the reported questions lazy alone, at F=0 and "
                     "the default (block and APE are measured on the selection questions): for a slow CPU")
-    ap.add_argument("--held-out", choices=["news", "musique", "news-shared"], help="only this reported split (news, "
-                    "news-shared: news questions over shared popular documents, or MuSiQue "
-                    "76-150), lazy at F=0 and at the default already chosen in docs/results/quality-recompute.json, "
-                    "whose other tables are kept: more reported questions without choosing the default again")
+    ap.add_argument("--held-out", choices=["news", "musique", "news-shared", "musique-select"],
+                    help="only this split (news, news-shared: news questions over shared popular documents, "
+                    "musique: MuSiQue 76-150, or musique-select: the selection questions 1-75 at --page-size, to "
+                    "try a setting before it is reported), lazy at F=0 and at the default already chosen in "
+                    "docs/results/quality-recompute.json, whose other tables are kept: more questions without "
+                    "choosing the default again")
+    ap.add_argument("--page-size", type=int, default=IndexConfig.page_size, choices=PAGE_SIZES,
+                    help="the stores' page size, the unit recompute selects (its own stores and figures in --work)")
     ap.add_argument("--configs", help="with --held-out: measure lazy at F=0 and these configurations instead of "
                     "the default alone: policy:F[:reuse][:popular][:primed], comma-separated (reuse: recomputed "
                     "pages reused across the split's requests; popular: --chunk-order popular; primed: every "
@@ -568,10 +580,12 @@ def main() -> None:
     loaded = load_model(DEFAULT_MODEL, args.device)
     if args.held_out:
         res = json.loads((RESULTS / "quality-recompute.json").read_text())
-        res.setdefault("held_out", {})[args.held_out] = header(args, loaded)
-        name = {"news": "news-1-", "news-shared": "news-shared", "musique": "musique-report"}[args.held_out]
+        name = {"news": "news-1-", "news-shared": "news-shared", "musique": "musique-report",
+                "musique-select": f"musique-select-p{args.page_size}"}[args.held_out]
+        res.setdefault("held_out", {})[name if args.held_out == "musique-select" else args.held_out] = header(args, loaded)
         res["splits"] = {k: v for k, v in res["splits"].items() if not k.startswith(name)}  # replaced, not kept
-        queries = {"news": news_queries, "news-shared": shared_news_queries}.get(
+        queries = {"news": news_queries, "news-shared": shared_news_queries,
+                   "musique-select": lambda a: musique_queries(a, report=False)}.get(
             args.held_out, lambda a: musique_queries(a, selection=False))(args)
         (split,) = splits_of(args.held_out, queries, loaded, args, halves=False)
         d = res["default"]

@@ -1,7 +1,9 @@
-"""scripts/eval_quality.py's split of news questions that share popular documents."""
+"""scripts/eval_quality.py's splits: news questions that share popular documents, and the MuSiQue
+selection questions alone."""
 
 import argparse
 import importlib.util
+import json
 import sys
 from collections import Counter
 from pathlib import Path
@@ -37,3 +39,14 @@ def test_each_shared_news_prompt_holds_its_own_document_and_four_from_a_popular_
     written = (tmp_path / "news-shared-corpus.jsonl").read_text().splitlines()
     assert len(written) == len(uses)
     assert rows == script.shared_news_queries(args, pool=20)  # seeded
+
+
+@pytest.mark.skipif(not (DATA / "musique").is_dir(), reason="needs ../shared/data/musique")
+def test_the_selection_split_alone_takes_the_first_questions_and_only_their_documents(tmp_path):
+    script = load_script()
+    args = argparse.Namespace(data=DATA, work=tmp_path, per_split=5)
+    both = script.musique_queries(args)
+    select = script.musique_queries(args, report=False)
+    assert select == both[:5] and len(both) == 10  # 1-5, then 76-80
+    written = [json.loads(line)["id"] for line in (tmp_path / "musique-select-corpus.jsonl").read_text().splitlines()]
+    assert sorted(written) == sorted({d for q in select for d in q["docs"]})
