@@ -111,7 +111,8 @@ class ReadProcess:
                 child.buffers.add(buffer.id)
             for start, n in pieces:
                 rid = next(self._ids)
-                waits.append(child.waiting.setdefault(rid, Future()))
+                child.waiting[rid] = done = Future()
+                waits.append(done)
                 child.send({"op": "read", "id": rid, "buffer": buffer.id, "at": at + start, "path": str(path),
                             "offset": offset + start, "nbytes": n})
         answers = [done.result() for done in waits]  # every piece has stopped writing before an error is raised
