@@ -7,6 +7,7 @@ NumPy: the reference path needs no Triton.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -84,27 +85,28 @@ class SharedPlan:
         at = sum(_aligned(n) for n in self.layout.sizes[:i])
         return self.buffer[at: at + self.layout.sizes[i]]
 
-    @property
+    # views of the buffer, made once: every layer's launch reads them (copy_ writes the same buffer)
+    @cached_property
     def head(self) -> Tensor:
         return self._field(0)
 
-    @property
+    @cached_property
     def work(self) -> Tensor:
         return self._field(1).view(-1, WORK)
 
-    @property
+    @cached_property
     def use(self) -> Tensor:
         return self._field(2).view(-1, USE)
 
-    @property
+    @cached_property
     def item(self) -> Tensor:
         return self._field(3).view(-1, ITEM)
 
-    @property
+    @cached_property
     def page(self) -> Tensor:
         return self._field(4).view(-1, PAGE)
 
-    @property
+    @cached_property
     def part_ptr(self) -> Tensor:
         return self._field(5)
 

@@ -265,8 +265,9 @@ def answer(
                                                                  "fingerprint)."),
     trust_remote_code: bool = typer.Option(AnswerConfig.trust_remote_code, help=REMOTE_CODE_HELP),
     cuda_graphs: bool = typer.Option(AnswerConfig.cuda_graphs, "--cuda-graphs/--eager",
-                                     help="On a GPU, replay decode steps from CUDA graphs captured at start "
-                                          "(--eager launches every kernel from Python: slower, for debugging)."),
+                                     help="On a GPU, replay decode steps, and prefill steps' layers outside "
+                                          "attention, from CUDA graphs captured at start (--eager launches every "
+                                          "kernel from Python: slower, for debugging)."),
     shared_attention: bool = typer.Option(AnswerConfig.shared_attention, "--shared-attention/--no-shared-attention",
                                           help="lazy: each step reads each chunk page once for every request using "
                                                "it (chunk-major attention; a recomputed page reads its pages per "
@@ -393,7 +394,7 @@ def bench(
                                          help="lazy: reuse recomputed pages, as answer's."),
     chunk_order: ChunkOrder = typer.Option(AnswerConfig.chunk_order, help="lazy: given or popular, as answer's."),
     cuda_graphs: bool = typer.Option(AnswerConfig.cuda_graphs, "--cuda-graphs/--eager",
-                                     help="On a GPU, replay decode steps from CUDA graphs."),
+                                     help="On a GPU, replay steps from CUDA graphs, as answer's."),
     synthetic: Optional[str] = typer.Option(None, metavar="NAME",
                                             help="Instead of QUERIES: the paper's workload (paper: Zipf 2.1; "
                                                  "uniform), --limit queries of 5 docs each, written under --work "

@@ -184,6 +184,7 @@ class Sweep:
     workload: str = "zipf"    # zipf 2.1, or uniform popularity
     requests: int = 0
     disk: bool = False        # cold, the store's files first dropped from the OS page cache
+    prefill_graphs: bool = True  # prefill steps' layers replayed from CUDA graphs (False: op by op)
 
 
 def batch_sweep(kw: dict, loaded, store, prompts, questions, cache_gb: float, args, model: str, save, out,
@@ -198,6 +199,8 @@ def batch_sweep(kw: dict, loaded, store, prompts, questions, cache_gb: float, ar
     configs = []
     for n in counts:
         configs += [Sweep("lazy", requests=n)] + ([] if args.skip_full else [Sweep("full", requests=n)])
+        if args.eager_prefill_too:  # the same run with prefill steps launched op by op
+            configs.append(Sweep("lazy", requests=n, prefill_graphs=False))
         if args.per_request_too:  # lazy with each request reading its own pages: what chunk-major buys
             configs.append(Sweep("lazy", shared=False, requests=n))
         for f in args.recompute:
@@ -212,7 +215,7 @@ def batch_sweep(kw: dict, loaded, store, prompts, questions, cache_gb: float, ar
             configs += [Sweep("lazy", workload="uniform", requests=n)]
             configs += [Sweep("lazy", f, reuse=r, order=o, workload="uniform", requests=n)
                         for f in args.recompute if f for r, o in ((True, "given"), (True, "popular"), (False, "given"))]
-    cold = [c for c in configs if c.mode == "lazy" and c.workload == "zipf"]
+    cold = [c for c in configs if c.mode == "lazy" and c.workload == "zipf" and c.prefill_graphs]
     if args.warm:  # each lazy and block run again, on a cache warmed by one untimed pass
         configs += [dataclasses.replace(c, warm=True) for c in configs if c.mode != "full"]
     if args.from_disk:  # last: a run from disk leaves in the page cache only what it read
@@ -227,14 +230,17 @@ def batch_sweep(kw: dict, loaded, store, prompts, questions, cache_gb: float, ar
             try:
                 if c.disk:
                     evict(store.path)
-                r = run(engine_args, loaded, store, c.mode, source[:n], questions[:n], cache_gb, bs, warm=c.warm,
-                        order=c.order)
+                with setting("lazyrag.serve.runner", "PREFILL_GRAPH_TOKENS", None if c.prefill_graphs else 0):
+                    r = run(engine_args, loaded, store, c.mode, source[:n], questions[:n], cache_gb, bs,
+                            warm=c.warm, order=c.order)
                 if c.disk:
                     r.update(disk_bound(store.path, r))
             except Exception as exc:  # block's copies may not fit a large batch: say so
                 r = {"mode": c.mode, "batch_size": bs, "warm": c.warm, "error": str(exc)[:120]}
             if c.mode == "lazy" and not c.shared:
                 r["mode"] = "lazy, per-request pages"
+            if not c.prefill_graphs:
+                r["mode"] = "lazy, prefill op by op"
             r.update(recompute=c.fraction, policy=args.recompute_policy, page_size=args.page_size, reuse=c.reuse,
                      order=c.order, workload=c.workload, sweep_requests=c.requests, disk=c.disk)
             r.update(recompute_floor(loaded, r, store))
@@ -243,6 +249,20 @@ def batch_sweep(kw: dict, loaded, store, prompts, questions, cache_gb: float, ar
             save(out)
             print(f"[{model}] batch sweep {c}, batch {bs}: {json.dumps(r)}", flush=True)
     return rows
+
+
+@contextlib.contextmanager
+def setting(module: str, name: str, value):
+    """A module's setting changed for a run (None: left as it is)."""
+    import importlib
+
+    mod = importlib.import_module(module)
+    old = getattr(mod, name)
+    setattr(mod, name, old if value is None else value)
+    try:
+        yield
+    finally:
+        setattr(mod, name, old)
 
 
 def evict(path: Path) -> None:
@@ -740,6 +760,9 @@ def main() -> None:
     ap.add_argument("--check-shared", type=int, default=0, metavar="N",
                     help="first compare chunk-major attention with per-request pages on N Zipf requests (logits "
                          "teacher-forced along the per-request answer, top-1 agreement, identical answers)")
+    ap.add_argument("--eager-prefill-too", action="store_true",
+                    help="diagnosis: also time each lazy run (cold, and warm with --warm) with prefill steps "
+                         "launched op by op, not replayed from CUDA graphs")
     ap.add_argument("--per-request-too", action="store_true",
                     help="in the batch sweep, also lazy without chunk-major attention (each request reads its pages), "
                          "with and without recompute")

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lazyrag.kernels.rope import rope
+from lazyrag.kernels.rope import RopeTable, apply_rope, rope_table
 
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -93,10 +93,11 @@ def rope_frequencies(hf_config) -> tuple[torch.Tensor, float]:
     return inv_freq.float(), float(scale)
 
 
-def rotate(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-    """Rotate x [T, H, D] to `positions` [T]: the kernels' own RoPE (rotate-half, fp32 maths),
-    so keys rotated here and queries rotated inside the kernels agree exactly."""
-    return rope(x.float(), positions, inv_freq).to(x.dtype)
+def rotate(x: torch.Tensor, table: RopeTable) -> torch.Tensor:
+    """Rotate x [T, H, D] to the positions of `table` (rope_table of [T] positions): the kernels'
+    own RoPE (rotate-half, fp32 maths), so keys rotated here and queries rotated inside the
+    kernels agree exactly."""
+    return apply_rope(x.float(), table).to(x.dtype)
 
 
 class Attention(Protocol):
@@ -137,6 +138,25 @@ class Block(nn.Module):
         self.up_proj = nn.Linear(h, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, h, bias=False)
 
+    def attention_inputs(self, x: torch.Tensor, keys_at: RopeTable, rope_scale: float = 1.0):
+        """q (un-rotated), k (rotated to `keys_at`) and v of the hidden states x [T, hidden]."""
+        cfg = self.cfg
+        h = self.input_norm(x)
+        q = self.q_proj(h).view(-1, cfg.num_heads, cfg.head_dim)
+        k = self.k_proj(h).view(-1, cfg.num_kv_heads, cfg.head_dim)
+        v = self.v_proj(h).view(-1, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if rope_scale != 1.0:
+            q, k = q * rope_scale, k * rope_scale
+        return q, rotate(k, keys_at), v
+
+    def after_attention(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        """The residual stream after this layer, from its input x and its attention output o [T, Hq, D]."""
+        x = x + self.o_proj(o.reshape(-1, self.cfg.num_heads * self.cfg.head_dim))
+        h = self.post_norm(x)
+        return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+
 
 class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig, inv_freq: torch.Tensor, rope_scale: float = 1.0):
@@ -159,22 +179,10 @@ class Transformer(nn.Module):
         key_positions: where each token's key is rotated to, if not its position (a chunk page
         recomputed for one request keeps the chunk-local positions of the shared page)."""
         key_positions = positions if key_positions is None else key_positions
-        cfg = self.cfg
+        keys_at = rope_table(key_positions, self.inv_freq)  # once a step: every layer's keys sit there
         x = self.embed(tokens)
         for i, blk in enumerate(self.layers):
-            h = blk.input_norm(x)
-            q = blk.q_proj(h).view(-1, cfg.num_heads, cfg.head_dim)
-            k = blk.k_proj(h).view(-1, cfg.num_kv_heads, cfg.head_dim)
-            v = blk.v_proj(h).view(-1, cfg.num_kv_heads, cfg.head_dim)
-            if cfg.qk_norm:
-                q, k = blk.q_norm(q), blk.k_norm(k)
-            if self.rope_scale != 1.0:
-                q, k = q * self.rope_scale, k * self.rope_scale
-            k = rotate(k, key_positions, self.inv_freq)
-            o = attention(i, q, k, v)
-            x = x + blk.o_proj(o.reshape(-1, cfg.num_heads * cfg.head_dim))
-            h = blk.post_norm(x)
-            x = x + blk.down_proj(F.silu(blk.gate_proj(h)) * blk.up_proj(h))
+            x = blk.after_attention(x, attention(i, *blk.attention_inputs(x, keys_at, self.rope_scale)))
         return self.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

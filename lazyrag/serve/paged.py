@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from lazyrag import kernels
+from lazyrag.kernels.rope import rope_table
 from lazyrag.models import rotate
 from lazyrag.store import kv_row_bytes, pack_fp8_rows, unpack_fp8_rows
 
@@ -361,14 +362,25 @@ class PagedAttention:
         self.pool, self.step = pool, step
         self.inv_freq, self.sm_scale, self.lazy = inv_freq, sm_scale, lazy
         self.ape_temperature, self.ape_scale = ape
+        self._queries_at = None  # block and full: the rope table of the step's positions, made once
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        self.write(layer, k, v)
+        return self.attend(layer, q)
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """The step's new K and V into their slots, before any attention of the layer reads them."""
+        self.pool.write_slots(layer, self.step.slots, k, v)
+
+    def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """The step's queries over the pool, the step's own K and V written."""
         st = self.step
-        self.pool.write_slots(layer, st.slots, k, v)
         k_pages, v_pages = self.pool.layer(layer)
         k_scale, v_scale = self.pool.layer_scales(layer)
         if not self.lazy:  # keys sit at logical positions: rotate q once, like any engine
-            q = rotate(q, st.positions, self.inv_freq)
+            if self._queries_at is None:
+                self._queries_at = rope_table(st.positions, self.inv_freq)
+            q = rotate(q, self._queries_at)
         if st.shared is not None:  # lazy only: runs shared by several requests read once for all
             kw = dict(ape_temperature=self.ape_temperature, ape_scale=self.ape_scale, k_scale=k_scale, v_scale=v_scale)
             if st.decode:

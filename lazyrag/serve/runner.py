@@ -1,7 +1,8 @@
 """The model over the page pool: eager steps, prefill, decode and teacher-forced scoring.
 
-On a GPU the decode step is replayed from a CUDA graph (lazyrag/serve/cuda_graphs.py);
-prefill runs eagerly, its lengths vary too much to capture.
+On a GPU the decode step is replayed from a CUDA graph, and every other step of up to
+PREFILL_GRAPH_TOKENS tokens replays its layers from graphs with attention run between them
+(lazyrag/serve/cuda_graphs.py).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 from lazyrag import kernels
 from lazyrag.models import LoadedModel
 from lazyrag.serve import faults
-from lazyrag.serve.cuda_graphs import DecodeGraphs
+from lazyrag.serve.cuda_graphs import DecodeGraphs, PrefillGraphs
 from lazyrag.serve.modes import ChunkCopy
 from lazyrag.serve.paged import DELTA, LENGTH, PAGE, START, Feed, PagedAttention, PagePool, StepInputs
 from lazyrag.serve.request import Sequence
@@ -44,6 +45,9 @@ def prompt_feeds(seq: Sequence, tokens: list[int]) -> list[Feed]:
 # length: a longer prompt is fed in slices, each attending to everything before it. The CPU's is
 # small (its scores are [heads, slice, keys] fp32); a GPU's fits any batch of usual prompts whole.
 PREFILL_TOKENS = {"cpu": 512, "cuda": 16384}
+# Longest step whose layers replay from graphs (0: none). Longer steps keep the GPU busy for
+# longer than the host takes to launch them.
+PREFILL_GRAPH_TOKENS = 4096
 
 
 def sliced(feeds: list[Feed], most: int) -> Iterator[list[tuple[int, Feed]]]:
@@ -170,6 +174,7 @@ class Runner:
         self.sm_scale = loaded.cfg.head_dim ** -0.5
         self.vocab = len(loaded.tokenizer)
         self.graphs: DecodeGraphs | None = None
+        self.prefill_graphs: PrefillGraphs | None = None
         self.chunk_major = chunk_major
         self.prefill_tokens = PREFILL_TOKENS["cuda" if self.device.type == "cuda" else "cpu"]
 
@@ -178,6 +183,9 @@ class Runner:
         max_pages = min(self.pool.num_pages, self.pool.pages_for(self.max_positions))
         self.graphs = DecodeGraphs(self.model, self.pool, self.model.inv_freq, self.sm_scale, self.rotate_queries,
                                    batch_size, max_pages, pad_page * self.pool.page_size, self.ape, self.chunk_major)
+        if PREFILL_GRAPH_TOKENS:
+            self.prefill_graphs = PrefillGraphs(self.model, self.pool, min(PREFILL_GRAPH_TOKENS, self.prefill_tokens),
+                                                pad_page * self.pool.page_size)
 
     def forward(self, feeds: list[Feed], select: torch.Tensor | None = None,
                 rotate_queries: bool | None = None, tokens: torch.Tensor | None = None) -> torch.Tensor:
@@ -192,7 +200,11 @@ class Runner:
         if tokens is not None:
             step.tokens[: len(tokens)].copy_(tokens)
         attention = PagedAttention(self.pool, step, self.model.inv_freq, self.sm_scale, rotate, self.ape)
-        hidden = self.model(step.tokens, step.positions, attention, key_positions=step.key_positions)
+        hidden = None
+        if self.prefill_graphs is not None:
+            hidden = self.prefill_graphs.run(step, attention)
+        if hidden is None:
+            hidden = self.model(step.tokens, step.positions, attention, key_positions=step.key_positions)
         if select is not None and self.device.type == "cuda":  # a pageable copy would wait for the GPU
             select = select.pin_memory()
         rows = step.cu_seqlens[1:] - 1 if select is None else select.to(self.device, non_blocking=True)

@@ -4,6 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from lazyrag.kernels.rope import rope_table
 from lazyrag.models import rotate
 from lazyrag.models.loading import transformer_from_hf
 
@@ -12,7 +13,7 @@ def causal_attention(positions):
     """Plain dense causal attention over one sequence, rotating q like the keys."""
 
     def attend(layer, q, k, v, model=None):
-        q = rotate(q, positions, attend.inv_freq)
+        q = rotate(q, rope_table(positions, attend.inv_freq))
         rep = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
         o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True)

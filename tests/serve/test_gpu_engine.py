@@ -82,6 +82,34 @@ def test_generation_runs_in_every_mode(setup):
         assert all(len(r.generated) == 8 and r.ttft_ms > 0 for r in done)
 
 
+@pytest.mark.parametrize("mode", ["lazy", "block"])
+def test_prefill_graphs_match_eager_layers(setup, mode):
+    """A prefill step's layers replayed from the graphs of its length's bucket, attention between
+    them: close to the eager step (other matmul shapes, so bf16 rounds a little differently),
+    exactly the same when replayed again after a longer step of the same bucket has left its
+    rows in the static buffers, and eager past the largest bucket."""
+    from lazyrag.serve.runner import prompt_feeds
+
+    loaded, store = setup
+    engine = Engine(loaded, store, mode, cache_bytes=4 << 30, batch_size=8, stop_at_eos=False)
+    runner = engine.runner
+    graphs = runner.prefill_graphs
+    assert graphs is not None
+    reqs = place(engine, requests(store, PromptFormat(loaded.tokenizer)))
+    short = prompt_feeds(reqs[0], reqs[0].placement.prompt_ids)
+    both = [f for s in reqs[:2] for f in prompt_feeds(s, s.placement.prompt_ids)]
+    assert len(short[-1].tokens) < sum(len(f.tokens) for f in both) <= graphs.buckets[0]  # one bucket
+    first = runner.forward(short).float().clone()
+    runner.forward(both)
+    assert torch.equal(runner.forward(short).float(), first)
+    runner.prefill_graphs = None
+    eager = runner.forward(short).float()
+    runner.prefill_graphs = graphs
+    assert rel(first, eager) < 3e-2
+    assert graphs.bucket(graphs.buckets[-1]) == graphs.buckets[-1] and graphs.bucket(graphs.buckets[-1] + 1) is None
+    engine.close()
+
+
 @pytest.mark.parametrize("mode", ["lazy", "block", "full"])
 def test_cuda_graph_decode_matches_eager(setup, mode):
     loaded, store = setup
