@@ -18,8 +18,9 @@ the plan's work exit at once.
 Prefill steps vary in length and in their attention's launch plan, so they are graphed in
 pieces (`PrefillGraphs`): for each bucket of step lengths, the work between one layer's attention
 and the next (residual, norms, MLP, projections, the keys' rotation, writing K and V into the
-pool) is one graph, and attention runs eagerly between replays. Launched op by op, an 8B model's prefill step cost the host about
-70 ms whatever its length, longer than the GPU took (docs/benchmarks.md).
+pool) is one graph, and attention runs eagerly between replays. Launched op by op, an 8B
+model's prefill step cost the host about 65 ms whatever its length, longer than the GPU took
+(docs/benchmarks.md).
 """
 
 from __future__ import annotations
