@@ -101,10 +101,9 @@ class DecodeGraphs:
 
 
 def prefill_buckets(most: int) -> list[int]:
-    """Step lengths a prefill graph is captured for: 256, 512, every 512 to 4,096, every 2,048
-    beyond, up to `most`. A step pads to the next (at most 2x for short steps, a quarter past 2,048)."""
-    steps = [256, *range(512, 4096, 512), *range(4096, most, 2048)]
-    return [b for b in steps if b < most] + [most]
+    """Step lengths a prefill graph is captured for: 256, then every 512 up to `most`. A step pads
+    to the next (at most 2x for short steps, a quarter past 2,048)."""
+    return [b for b in (256, *range(512, most, 512)) if b < most] + [most]
 
 
 class PrefillGraphs:
