@@ -42,39 +42,44 @@ def cut_feeds(feeds: list[Feed]) -> SharedFeeds | None:
     labelled = [b for b, f in enumerate(feeds) if f.shared is not None and f.shared.any()]
     if not labelled:
         return None
-    width = max(len(feeds[b].rows) for b in labelled)
-    B = len(labelled)
+    counts = np.array([len(feeds[b].rows) for b in labelled])
+    B, width = len(labelled), int(counts.max())
+    rows = np.concatenate([feeds[b].rows for b in labelled])  # whole arrays: a decode batch has 128 feeds
+    runs = np.concatenate([feeds[b].shared for b in labelled]).astype(np.int32, copy=False)
+    of = np.repeat(np.arange(B), counts)  # each row's feed and entry
+    entry = np.arange(len(rows)) - np.repeat(np.cumsum(counts) - counts, counts)
+    _check_precedes([feeds[b] for b in labelled], of, entry, rows, runs)
     planes = np.zeros((4, B, width), np.int32)
     planes[LENGTH] = 1
-    runs = np.zeros((B, width), np.int32)
-    for i, b in enumerate(labelled):
-        f = feeds[b]
-        _check_precedes(f)
-        planes[:, i, : len(f.rows)] = f.rows.T
-        runs[i, : len(f.rows)] = f.shared
+    planes[:, of, entry] = rows.T
+    table_runs = np.zeros((B, width), np.int32)
+    table_runs[of, entry] = runs
     ape = np.array([feeds[b].ape_rows for b in labelled], np.int32).reshape(B, 2)
     table = kernels.PageTable(*(torch.from_numpy(p) for p in planes),
-                              torch.tensor([len(feeds[b].rows) for b in labelled], dtype=torch.int32),
+                              torch.from_numpy(counts.astype(np.int32)),
                               torch.from_numpy(ape[:, 0].copy()), torch.from_numpy(ape[:, 1].copy()))
-    shared, rest = kernels.group_shared(table, torch.from_numpy(runs))
+    shared, rest = kernels.group_shared(table, torch.from_numpy(table_runs))
     if shared.groups == 0:
         return None
     shared.use_request = torch.as_tensor(np.asarray(labelled, np.int32)[shared.use_request.numpy()])  # step order
-    rest_planes = torch.stack([rest.ids, rest.delta, rest.start, rest.length]).numpy()
+    rest_rows = torch.stack([rest.ids, rest.delta, rest.start, rest.length], -1).numpy()  # [B, width, 4]
+    kept, ape_lo, ape_hi = (t.numpy().tolist() for t in (rest.count, rest.ape_lo, rest.ape_hi))
     out = list(feeds)
     for i, b in enumerate(labelled):
-        f, n = feeds[b], int(rest.count[i])
-        out[b] = replace(f, rows=np.ascontiguousarray(rest_planes[:, i, :n].T), shared=None,
-                         n_context=f.n_context - (len(f.rows) - n),
-                         ape_rows=(int(rest.ape_lo[i]), int(rest.ape_hi[i])))
+        f, n = feeds[b], kept[i]
+        out[b] = replace(f, rows=rest_rows[i, :n].copy(), shared=None, n_context=f.n_context - (len(f.rows) - n),
+                         ape_rows=(ape_lo[i], ape_hi[i]))
     return SharedFeeds(out, shared)
 
 
-def _check_precedes(f: Feed) -> None:
-    labelled = np.nonzero(f.shared)[0]
-    rows = f.rows[labelled]
+def _check_precedes(feeds: list[Feed], of: np.ndarray, entry: np.ndarray, rows: np.ndarray,
+                    runs: np.ndarray) -> None:
+    """Every labelled row must be a context row whose keys precede its feed's tokens. rows, runs:
+    the feeds' rows and labels back to back; of, entry: each row's feed and index in it."""
+    n_context = np.array([f.n_context for f in feeds])[of]
+    first_token = np.array([f.own_start + f.first for f in feeds])[of]
     last_key = rows[:, START] + rows[:, DELTA] + rows[:, LENGTH] - 1
-    if (labelled >= f.n_context).any() or (last_key >= f.own_start + f.first).any():
+    if ((runs > 0) & ((entry >= n_context) | (last_key >= first_token))).any():
         raise ValueError("shared page rows must be context rows before the feed's own tokens")
 
 

@@ -76,10 +76,13 @@ def test_grouping_keeps_everything_in_the_remainder_when_no_entry_is_labelled():
     assert rest.count.tolist() == [2, 1] and rest.ids[0, :2].tolist() == [3, 4] and rest.delta[1, 0] == 9
 
 
-def test_grouping_refuses_a_page_with_two_starts_under_one_label():
-    pages = table([[(3, 0, 0, 16)], [(3, 0, 16, 16)]])
-    with pytest.raises(ValueError, match="two starts"):
-        group_shared(pages, labels([[1], [1]], pages.max_pages))
+def test_grouping_refuses_a_page_with_two_starts_or_lengths_under_one_label():
+    for other in ((3, 0, 16, 16), (3, 0, 0, 9)):
+        pages = table([[(3, 0, 0, 16)], [other]])
+        with pytest.raises(ValueError, match="two starts or lengths"):
+            group_shared(pages, labels([[1], [1]], pages.max_pages))
+    pages = table([[(3, 0, 0, 16)], [(3, 0, 16, 16)]])  # one page under two labels: two sequences
+    assert group_shared(pages, labels([[1], [2]], pages.max_pages))[0].groups == 2
 
 
 # ------------------------------------------------------------------------------ kernels

@@ -4,6 +4,7 @@ request, over an fp32 store and over an fp8 one."""
 
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 from serve_stores import make_store, place, request
@@ -12,7 +13,7 @@ from lazyrag import kernels
 from lazyrag.kernels import PlanLayout
 from lazyrag.models.prompt import PromptFormat
 from lazyrag.serve import Engine
-from lazyrag.serve.paged import PagedAttention, StepInputs, StepLayout, copy_step, pack_step
+from lazyrag.serve.paged import Feed, PagedAttention, StepInputs, StepLayout, copy_step, pack_step, page_rows
 from lazyrag.serve.recompute import Recompute
 from lazyrag.serve.runner import prompt_feeds
 from lazyrag.serve.sharing import ChunkMajor, cut_feeds, graph_layout
@@ -209,3 +210,20 @@ def test_feeds_without_shared_rows_stay_whole_and_out_of_the_grouping(stored):
             assert r is f
         else:
             assert r.shared is None and len(r.rows) < len(f.rows)
+
+
+def test_a_shared_row_that_does_not_precede_the_feeds_tokens_is_refused():
+    """Chunk-major kernels apply no causal mask to shared rows: a labelled row must be a context
+    row whose last key sits before the feed's first token."""
+    chunk = page_rows([3, 4], 0, 20, 5, 16)  # keys at 5..24
+    own = page_rows([9], 0, 4, 25, 16)
+
+    def feed(rows, n_context, shared, own_start=25, first=0):
+        return Feed(rows, n_context, own_start, first, [1, 2], shared=np.array(shared, np.int32))
+
+    good = feed(np.concatenate([chunk, own]), 2, [7, 7, 0])
+    assert cut_feeds([good]).shared.groups == 1
+    with pytest.raises(ValueError, match="context rows before"):  # an own row labelled
+        cut_feeds([good, feed(np.concatenate([chunk, own]), 2, [7, 7, 8])])
+    with pytest.raises(ValueError, match="context rows before"):  # its keys reach the feed's first token
+        cut_feeds([good, feed(np.concatenate([chunk, own]), 2, [7, 7, 0], own_start=20)])
