@@ -185,6 +185,7 @@ class Sweep:
     requests: int = 0
     disk: bool = False        # cold, the store's files first dropped from the OS page cache
     prefill_graphs: bool = True  # prefill steps' layers replayed from CUDA graphs (False: op by op)
+    read_threads: int = 0     # chunk reads at once (0: the loader's default)
 
 
 def batch_sweep(kw: dict, loaded, store, prompts, questions, cache_gb: float, args, model: str, save, out,
@@ -199,6 +200,8 @@ def batch_sweep(kw: dict, loaded, store, prompts, questions, cache_gb: float, ar
     configs = []
     for n in counts:
         configs += [Sweep("lazy", requests=n)] + ([] if args.skip_full else [Sweep("full", requests=n)])
+        # the same run at each other count of chunk reads at once
+        configs += [Sweep("lazy", requests=n, read_threads=t) for t in args.read_threads[1:]]
         if args.eager_prefill_too:  # the same run with prefill steps launched op by op
             configs.append(Sweep("lazy", requests=n, prefill_graphs=False))
         if args.per_request_too:  # lazy with each request reading its own pages: what chunk-major buys
@@ -215,9 +218,9 @@ def batch_sweep(kw: dict, loaded, store, prompts, questions, cache_gb: float, ar
             configs += [Sweep("lazy", workload="uniform", requests=n)]
             configs += [Sweep("lazy", f, reuse=r, order=o, workload="uniform", requests=n)
                         for f in args.recompute if f for r, o in ((True, "given"), (True, "popular"), (False, "given"))]
-    cold = [c for c in configs if c.mode == "lazy" and c.workload == "zipf" and c.prefill_graphs]
+    cold = [c for c in configs if c.mode == "lazy" and c.workload == "zipf" and c.prefill_graphs and not c.read_threads]
     if args.warm:  # each lazy and block run again, on a cache warmed by one untimed pass
-        configs += [dataclasses.replace(c, warm=True) for c in configs if c.mode != "full"]
+        configs += [dataclasses.replace(c, warm=True) for c in configs if c.mode != "full" and not c.read_threads]
     if args.from_disk:  # last: a run from disk leaves in the page cache only what it read
         configs += [dataclasses.replace(c, disk=True) for c in cold]
     rows = []
@@ -227,6 +230,7 @@ def batch_sweep(kw: dict, loaded, store, prompts, questions, cache_gb: float, ar
         for bs in args.batch_sizes:
             recompute = Recompute(c.fraction, args.recompute_policy, reuse=c.reuse)
             engine_args = dict(kw, recompute=recompute, shared_attention=c.shared)
+            use_read_threads((c.read_threads or args.read_threads[0]) if args.read_threads else None)
             try:
                 if c.disk:
                     evict(store.path)
@@ -241,6 +245,8 @@ def batch_sweep(kw: dict, loaded, store, prompts, questions, cache_gb: float, ar
                 r["mode"] = "lazy, per-request pages"
             if not c.prefill_graphs:
                 r["mode"] = "lazy, prefill op by op"
+            if c.read_threads:
+                r["mode"] = f"lazy, {c.read_threads} chunk reads at once"
             r.update(recompute=c.fraction, policy=args.recompute_policy, page_size=args.page_size, reuse=c.reuse,
                      order=c.order, workload=c.workload, sweep_requests=c.requests, disk=c.disk)
             r.update(recompute_floor(loaded, r, store))
@@ -398,13 +404,22 @@ def labelled_phases():
         StepInputs.upload = upload
 
 
-def use_read_threads(threads: int) -> None:
-    """For the engines made from now on, a new reader process with `threads` chunk reads at once
-    (the loader's count)."""
+_DEFAULT_READ_THREADS = None
+
+
+def use_read_threads(threads: int | None) -> None:
+    """For the engines made from now on, a reader process with `threads` chunk reads at once (the
+    loader's count; None: its default), new unless the count is the one in use."""
+    global _DEFAULT_READ_THREADS
     from lazyrag.serve import loader
     from lazyrag.store import read_process
 
-    loader.chunk_read_threads = lambda: threads
+    if _DEFAULT_READ_THREADS is None:
+        _DEFAULT_READ_THREADS = loader.chunk_read_threads
+    count = threads or _DEFAULT_READ_THREADS()
+    if loader.chunk_read_threads() == count:
+        return
+    loader.chunk_read_threads = (lambda: threads) if threads else _DEFAULT_READ_THREADS
     with read_process._shared_lock:
         old, read_process._shared = read_process._shared, None
     if old is not None:
@@ -738,9 +753,9 @@ def main() -> None:
                          "host-to-device copy time, host waits, top kernels) before the timed runs, with the last "
                          "--recompute fraction if any; cold, and with --warm also the timed pass of a warm run")
     ap.add_argument("--read-threads", type=lambda s: [int(x) for x in s.split(",") if x], default=[],
-                    help="with --profile, profile at each of these counts of chunk reads at once (the loader's "
-                         "reader process; block and warm runs at the first only, block not with --skip-block); "
-                         "the timed runs after keep the last")
+                    help="chunk reads at once (the loader's reader process): the batch sweep runs at the first, "
+                         "and its cold lazy Zipf rows again at each other; with --profile, lazy is profiled cold "
+                         "at each (block and warm at the first only, block not with --skip-block)")
     ap.add_argument("--trace", action="store_true",
                     help="with --profile, also write each profiled run's trace (cold and warm) to "
                          "$OUT/trace-<run>.json.gz (Chrome trace format), the engine's host phases labelled")
