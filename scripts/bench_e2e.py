@@ -376,6 +376,37 @@ def labelled_phases():
     """The engine's host phases as named ranges in a profiler trace (what the GPU waits for)."""
     from torch.profiler import record_function
 
+    def wrap(fn, label):
+        def wrapped(*a, **k):
+            with record_function(label):
+                return fn(*a, **k)
+        return wrapped
+
+    with wrapped_phases(wrap):
+        yield
+
+
+@contextlib.contextmanager
+def logged_phases(log: list):
+    """The engine's host phases appended to `log` as (label, start, end, sequences) on the
+    perf_counter clock, without a profiler's cost per operation (sequences: a step's, else 0)."""
+    def wrap(fn, label):
+        def wrapped(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                n = len(a[1]) if len(a) > 1 and isinstance(a[1], list) else 0
+                log.append((label.removeprefix("lazyrag."), t, time.perf_counter(), n))
+        return wrapped
+
+    with wrapped_phases(wrap):
+        yield
+
+
+@contextlib.contextmanager
+def wrapped_phases(wrap):
+    """The engine's host phases each wrapped by `wrap(function, label)` while the context lasts."""
     from lazyrag.serve import engine, loader, runner, scheduler, sharing
     from lazyrag.serve.paged import StepInputs
 
@@ -385,13 +416,6 @@ def labelled_phases():
                (sharing.ChunkMajor, "upload"), (sharing.ChunkMajor, "plan"),
                (sharing.ChunkMajor, "cut")]
     originals = [(cls, name, cls.__dict__[name]) for cls, name in targets]
-
-    def wrap(fn, label):
-        def wrapped(*a, **k):
-            with record_function(label):
-                return fn(*a, **k)
-        return wrapped
-
     for cls, name, fn in originals:
         setattr(cls, name, wrap(fn, f"lazyrag.{cls.__name__}.{name}"))
     upload = StepInputs.__dict__["upload"]
@@ -473,6 +497,41 @@ def profile_run(engine_args: dict, loaded, store, mode: str, prompts, questions,
     return summary
 
 
+def step_log_run(engine_args: dict, loaded, store, prompts, questions, cache_gb: float, batch_size: int,
+                 warm: bool) -> dict:
+    """One timed lazy run with its host phases logged (logged_phases): when each prefill step ran
+    and for how long, how long the host waited for the GPU, and when chunks were loaded."""
+    log: list = []
+    t0 = []
+
+    @contextlib.contextmanager
+    def timed():
+        with logged_phases(log):
+            t0.append(time.perf_counter())
+            yield
+
+    r = run(engine_args, loaded, store, "lazy", prompts, questions, cache_gb, batch_size, warm=warm, timed=timed)
+    start = t0[0]
+    ms = lambda t: round((t - start) * 1e3, 1)  # noqa: E731
+    phase = lambda name: [e for e in log if e[0] == name]  # noqa: E731
+    prefills = [{"at_ms": ms(a), "host_ms": round((b - a) * 1e3, 1), "sequences": n}
+                for _, a, b, n in phase("Runner.prefill")]
+    decodes = phase("Runner.decode")
+    loads = phase("ChunkLoader.load")
+    summary = {"seconds": r["seconds"], "req_per_s": r["req_per_s"], "warm": warm, "prefills": prefills,
+               "decode_steps": len(decodes), "decode_host_ms": round(sum(b - a for _, a, b, _ in decodes) * 1e3, 1),
+               "first_decode_ms": ms(decodes[0][1]) if decodes else None,
+               "accept_wait_ms": round(sum(b - a for _, a, b, _ in phase("Engine._accept")) * 1e3, 1),
+               "schedule_ms": round(sum(b - a for _, a, b, _ in phase("Scheduler.schedule")) * 1e3, 1),
+               "cut_ms": round(sum(b - a for _, a, b, _ in phase("ChunkMajor.cut")) * 1e3, 1),
+               "plan_ms": round(sum(b - a for _, a, b, _ in phase("ChunkMajor.plan")) * 1e3, 1),
+               "loads": len(loads), "last_load_ms": ms(loads[-1][2]) if loads else None,
+               "loads_by_100ms": [sum(1 for _, a, _, _ in loads if k <= (a - start) * 10 < k + 1)
+                                  for k in range(int(r["seconds"] * 10) + 1)]}
+    print(f"step log ({'warm' if warm else 'cold'}, {len(prompts)} requests): {json.dumps(summary)}", flush=True)
+    return summary
+
+
 def bench_model(model: str, args, root: Path, save) -> dict:
     """All runs for one model; `save(partial)` after each, so a time limit loses nothing."""
     from lazyrag.models import load_model
@@ -522,6 +581,12 @@ def bench_model(model: str, args, root: Path, save) -> dict:
                     out["profile"][name] = profile_run(pkw, loaded, store, m, zipf[:args.profile], questions, cache,
                                                        args.batch_size, model, warm=warm, trace=trace)
                     save(out)
+    if args.step_log:
+        out["step_log"] = {}
+        for warm in (False, True):
+            out["step_log"]["warm" if warm else "cold"] = step_log_run(kw, loaded, store, zipf[:args.step_log],
+                                                                       questions, cache, args.batch_size, warm)
+            save(out)
     if args.check_shared:
         out["shared_check"] = shared_check(kw, loaded, store, zipf[:args.check_shared], questions[:args.check_shared],
                                            cache, args.batch_size)
@@ -756,6 +821,10 @@ def main() -> None:
                     help="chunk reads at once (the loader's reader process): the batch sweep runs at the first, "
                          "and its cold lazy Zipf rows again at each other; with --profile, lazy is profiled cold "
                          "at each (block and warm at the first only, block not with --skip-block)")
+    ap.add_argument("--step-log", type=int, default=0, metavar="N",
+                    help="diagnosis: also run lazy on N Zipf requests, cold then warm, with the engine's host phases "
+                         "timed without a profiler (each prefill step's start, host time and size, decode steps, "
+                         "waits for the GPU, chunk loads per 100 ms)")
     ap.add_argument("--trace", action="store_true",
                     help="with --profile, also write each profiled run's trace (cold and warm) to "
                          "$OUT/trace-<run>.json.gz (Chrome trace format), the engine's host phases labelled")
