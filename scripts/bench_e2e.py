@@ -428,6 +428,22 @@ def wrapped_phases(wrap):
         StepInputs.upload = upload
 
 
+@contextlib.contextmanager
+def staging(gb: float | None):
+    """The engines made meanwhile read ahead up to `gb` GB not yet loaded (the loader's staging
+    buffers; None: its default)."""
+    from lazyrag.serve import loader
+
+    init = loader.ChunkLoader.__init__
+    defaults = init.__defaults__
+    if gb:
+        init.__defaults__ = (*defaults[:-1], int(gb * 2**30))
+    try:
+        yield
+    finally:
+        init.__defaults__ = defaults
+
+
 _DEFAULT_READ_THREADS = None
 
 
@@ -587,6 +603,18 @@ def bench_model(model: str, args, root: Path, save) -> dict:
             out["step_log"]["warm" if warm else "cold"] = step_log_run(kw, loaded, store, zipf[:args.step_log],
                                                                        questions, cache, args.batch_size, warm)
             save(out)
+        # cold again at each further count of chunk reads at once, and each further staging size
+        variants = [(f"cold, {t} chunk reads at once", t, None) for t in args.read_threads[1:]]
+        variants += [(f"cold, {gb:g} GB of staging", None, gb) for gb in args.staging_gb]
+        for name, threads, gb in variants:
+            use_read_threads(threads or (args.read_threads[0] if args.read_threads else None))
+            with staging(gb):
+                if gb:  # once untimed first: the new staging buffers are pinned as a run first writes them
+                    run(kw, loaded, store, "lazy", zipf[:args.step_log], questions, cache, args.batch_size)
+                out["step_log"][name] = step_log_run(kw, loaded, store, zipf[:args.step_log], questions, cache,
+                                                     args.batch_size, False)
+            save(out)
+        use_read_threads(args.read_threads[0] if args.read_threads else None)
     if args.check_shared:
         out["shared_check"] = shared_check(kw, loaded, store, zipf[:args.check_shared], questions[:args.check_shared],
                                            cache, args.batch_size)
@@ -820,11 +848,15 @@ def main() -> None:
     ap.add_argument("--read-threads", type=lambda s: [int(x) for x in s.split(",") if x], default=[],
                     help="chunk reads at once (the loader's reader process): the batch sweep runs at the first, "
                          "and its cold lazy Zipf rows again at each other; with --profile, lazy is profiled cold "
-                         "at each (block and warm at the first only, block not with --skip-block)")
+                         "at each (block and warm at the first only, block not with --skip-block); with "
+                         "--step-log, a cold run again at each other")
     ap.add_argument("--step-log", type=int, default=0, metavar="N",
                     help="diagnosis: also run lazy on N Zipf requests, cold then warm, with the engine's host phases "
                          "timed without a profiler (each prefill step's start, host time and size, decode steps, "
                          "waits for the GPU, chunk loads per 100 ms)")
+    ap.add_argument("--staging-gb", type=lambda s: [float(x) for x in s.split(",") if x], default=[],
+                    help="with --step-log, a cold run again with the loader reading ahead up to each of these "
+                         "many GB not yet loaded (its staging buffers; default 4)")
     ap.add_argument("--trace", action="store_true",
                     help="with --profile, also write each profiled run's trace (cold and warm) to "
                          "$OUT/trace-<run>.json.gz (Chrome trace format), the engine's host phases labelled")
