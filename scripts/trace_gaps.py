@@ -2,8 +2,9 @@
 """Where the GPU waits: a profiler trace's idle time on the GPU, by the host phase that ran meanwhile.
 
 Reads a Chrome trace written by `bench_e2e.py --profile N --trace` (gzipped or not), merges the
-GPU's kernels and copies into busy intervals, and for each labelled host range (`lazyrag.*`, see
-bench_e2e.labelled_phases) adds up its wall time and the GPU's idle time inside it.
+GPU's kernels and copies into busy intervals, says how much of the copies' time kernels ran beside
+them, and for each labelled host range (`lazyrag.*`, see bench_e2e.labelled_phases) adds up its
+wall time and the GPU's idle time inside it.
 
 Usage: python scripts/trace_gaps.py trace-lazy.json.gz [trace-block.json.gz ...]
 """
@@ -41,6 +42,11 @@ def merged(intervals: np.ndarray) -> np.ndarray:
     return np.array(out)
 
 
+def length(intervals: np.ndarray) -> float:
+    """Total length of disjoint intervals (us)."""
+    return float((intervals[:, 1] - intervals[:, 0]).sum()) if len(intervals) else 0.0
+
+
 def overlap(ranges: np.ndarray, gaps: np.ndarray) -> float:
     """Total length of each range's intersection with the disjoint sorted gaps (us)."""
     total = 0.0
@@ -54,8 +60,11 @@ def overlap(ranges: np.ndarray, gaps: np.ndarray) -> float:
 
 
 def summarize(events: list[dict]) -> str:
-    gpu = np.array([(e["ts"], e["ts"] + e.get("dur", 0)) for e in events
-                    if e.get("cat") in GPU_CATEGORIES and e.get("ph") == "X"], float)
+    def intervals(categories) -> np.ndarray:
+        return np.array([(e["ts"], e["ts"] + e.get("dur", 0)) for e in events
+                         if e.get("cat") in categories and e.get("ph") == "X"], float).reshape(-1, 2)
+
+    gpu = intervals(GPU_CATEGORIES)
     labels = defaultdict(list)
     for e in events:
         if e.get("cat") == "user_annotation" and e.get("name", "").startswith("lazyrag.") and e.get("ph") == "X":
@@ -68,8 +77,12 @@ def summarize(events: list[dict]) -> str:
     edges = np.concatenate([[lo], busy.ravel(), [hi]]).reshape(-1, 2)
     gaps = edges[edges[:, 1] > edges[:, 0]]
     span, idle = hi - lo, float((gaps[:, 1] - gaps[:, 0]).sum())
+    kernels, copies = (length(merged(intervals(c))) for c in ({"kernel"}, {"gpu_memcpy", "gpu_memset"}))
+    both = kernels + copies - (span - idle)  # copies that ran while a kernel did
     lines = [f"span {span / 1e3:.1f} ms, GPU busy {(span - idle) / 1e3:.1f} ms ({1 - idle / span:.1%}), "
              f"idle {idle / 1e3:.1f} ms in {len(gaps)} gaps (largest {np.sort(gaps[:, 1] - gaps[:, 0])[-5:][::-1].round(0).tolist()} us)",
+             f"kernels {kernels / 1e3:.1f} ms, copies {copies / 1e3:.1f} ms, of them {both / 1e3:.1f} ms "
+             f"({both / copies if copies else 0:.0%}) while kernels ran",
              "| host phase | calls | wall ms | GPU idle inside, ms |", "|---|---:|---:|---:|"]
     rows = []
     for name, ranges in labels.items():

@@ -1,5 +1,6 @@
 """scripts/trace_gaps.py: the GPU's idle time in a profiler trace, by the host phase that ran
-meanwhile; and bench_e2e --trace, which writes such traces with the engine's phases labelled."""
+meanwhile, and how much of its copies ran beside kernels; and bench_e2e --trace, which writes such
+traces with the engine's phases labelled."""
 import gzip
 import importlib.util
 import json
@@ -33,6 +34,7 @@ def test_idle_time_is_split_by_the_host_phase_around_it(tmp_path):
     events = [event("kernel", "mm", 0, 10), event("kernel", "mm", 5, 10),  # busy 0-15
               event("gpu_memcpy", "HtoD", 40, 20),                        # busy 40-60
               event("kernel", "attn", 90, 10),                            # busy 90-100
+              event("gpu_memcpy", "HtoD", 92, 4),                         # a copy beside that kernel
               event("user_annotation", "lazyrag.Runner.prefill", 10, 40),  # 10-50: idle 15-40 inside
               event("user_annotation", "lazyrag.Runner.prefill", 55, 40),  # 55-95: idle 60-90 inside
               event("user_annotation", "lazyrag.Scheduler.schedule", 60, 10),
@@ -42,7 +44,8 @@ def test_idle_time_is_split_by_the_host_phase_around_it(tmp_path):
         json.dump({"traceEvents": events}, fh)
     text = trace_gaps.summarize(trace_gaps.load(path))
     assert text.startswith("span 100.0 ms, GPU busy 45.0 ms (45.0%), idle 55.0 ms in 2 gaps")
-    rows = {line.split(" | ")[0].strip("| "): line.split(" | ")[1:] for line in text.splitlines()[3:]}
+    assert text.splitlines()[1] == "kernels 25.0 ms, copies 24.0 ms, of them 4.0 ms (17%) while kernels ran"
+    rows = {line.split(" | ")[0].strip("| "): line.split(" | ")[1:] for line in text.splitlines()[4:]}
     assert rows["Runner.prefill"] == ["2", "80.0", "55.0 |"]
     assert rows["Scheduler.schedule"] == ["1", "10.0", "10.0 |"]
     assert trace_gaps.overlap(np.array([[10.0, 50.0], [55.0, 95.0]]), np.array([[15.0, 40.0], [60.0, 90.0]])) == 55.0
