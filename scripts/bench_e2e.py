@@ -528,19 +528,24 @@ def step_log_run(engine_args: dict, loaded, store, prompts, questions, cache_gb:
 
     r = run(engine_args, loaded, store, "lazy", prompts, questions, cache_gb, batch_size, warm=warm, timed=timed)
     start = t0[0]
-    ms = lambda t: round((t - start) * 1e3, 1)  # noqa: E731
-    phase = lambda name: [e for e in log if e[0] == name]  # noqa: E731
-    prefills = [{"at_ms": ms(a), "host_ms": round((b - a) * 1e3, 1), "sequences": n}
-                for _, a, b, n in phase("Runner.prefill")]
-    decodes = phase("Runner.decode")
-    loads = phase("ChunkLoader.load")
-    summary = {"seconds": r["seconds"], "req_per_s": r["req_per_s"], "warm": warm, "prefills": prefills,
-               "decode_steps": len(decodes), "decode_host_ms": round(sum(b - a for _, a, b, _ in decodes) * 1e3, 1),
+
+    def ms(t: float) -> float:
+        return round((t - start) * 1e3, 1)
+
+    def phase(name: str) -> list:
+        return [e for e in log if e[0] == name]
+
+    def total_ms(name: str) -> float:
+        return round(sum(b - a for _, a, b, _ in phase(name)) * 1e3, 1)
+
+    decodes, loads = phase("Runner.decode"), phase("ChunkLoader.load")
+    summary = {"seconds": r["seconds"], "req_per_s": r["req_per_s"], "warm": warm,
+               "prefills": [{"at_ms": ms(a), "host_ms": round((b - a) * 1e3, 1), "sequences": n}
+                            for _, a, b, n in phase("Runner.prefill")],
+               "decode_steps": len(decodes), "decode_host_ms": total_ms("Runner.decode"),
                "first_decode_ms": ms(decodes[0][1]) if decodes else None,
-               "accept_wait_ms": round(sum(b - a for _, a, b, _ in phase("Engine._accept")) * 1e3, 1),
-               "schedule_ms": round(sum(b - a for _, a, b, _ in phase("Scheduler.schedule")) * 1e3, 1),
-               "cut_ms": round(sum(b - a for _, a, b, _ in phase("ChunkMajor.cut")) * 1e3, 1),
-               "plan_ms": round(sum(b - a for _, a, b, _ in phase("ChunkMajor.plan")) * 1e3, 1),
+               "accept_wait_ms": total_ms("Engine._accept"), "schedule_ms": total_ms("Scheduler.schedule"),
+               "cut_ms": total_ms("ChunkMajor.cut"), "plan_ms": total_ms("ChunkMajor.plan"),
                "loads": len(loads), "last_load_ms": ms(loads[-1][2]) if loads else None,
                "loads_by_100ms": [sum(1 for _, a, _, _ in loads if k <= (a - start) * 10 < k + 1)
                                   for k in range(int(r["seconds"] * 10) + 1)]}

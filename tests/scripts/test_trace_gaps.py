@@ -1,6 +1,7 @@
 """scripts/trace_gaps.py: the GPU's idle time in a profiler trace, by the host phase that ran
 meanwhile, and how much of its copies ran beside kernels; and bench_e2e --trace, which writes such
-traces with the engine's phases labelled."""
+traces with the engine's phases labelled, and --step-log, which times the same phases without a
+profiler."""
 import gzip
 import importlib.util
 import json
@@ -60,12 +61,16 @@ def test_bench_e2e_writes_labelled_traces(tmp_path):
     cmd = [sys.executable, str(ROOT / "scripts" / "bench_e2e.py"), "--models", "random:tiny", "--docs", "6",
            "--doc-tokens", "128", "--requests", "4", "--cache-gb", "0.5", "--recompute", "0.2",
            "--recompute-policy", "attention", "--batch-sizes", "4", "--batch-size", "4", "--skip-full",
-           "--profile", "4", "--trace"]
+           "--profile", "4", "--trace", "--step-log", "4"]
     run = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     for mode in ("lazy", "block"):
         names = {e.get("name") for e in trace_gaps.load(tmp_path / "out" / f"trace-{mode}.json.gz")}
         assert {"lazyrag.Runner.prefill", "lazyrag.Runner.row_attention", "lazyrag.Scheduler.schedule"} <= names
-    profiled = json.loads((tmp_path / "out" / "bench_e2e.json").read_text())["results"][0]["profile"]
+    result = json.loads((tmp_path / "out" / "bench_e2e.json").read_text())["results"][0]
+    steps = result["step_log"]  # --step-log: the same phases timed without a profiler
+    assert sum(p["sequences"] for p in steps["cold"]["prefills"]) == 4 and steps["cold"]["loads"] > 0
+    assert steps["warm"]["loads"] == 0 and steps["warm"]["decode_steps"] > 0
+    profiled = result["profile"]
     phases = {k.split(" x")[0]: v for k, v in profiled["lazy"]["host_phases_ms"].items()}
     assert phases["Runner.row_attention"] > 0 and phases["Engine._choose_recompute"] >= phases["Runner.row_attention"]
