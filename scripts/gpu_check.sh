@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On a CUDA machine, from the repository root: install the package, then the GPU tests
 # (`pytest -m gpu`), the kernel benchmark, the end-to-end benchmark, the index benchmark and
-# the store's read benchmark.
+# the store's read benchmark, and a first pass in fresh processes (bench_first_pass.py).
 # Each step has its own time limit in seconds (a limit of 'skip' skips the step) so that a
 # slow step cannot take the others' time; each step's output lands in $OUT/<step>.log.
 # The install takes no dependencies: the machine must have them already (a machine with no
@@ -27,3 +27,6 @@ step bench_index "${INDEX_LIMIT:-100}" python3 scripts/bench_index.py --model ra
 rm -rf /tmp/bench-index  # an 8B store is tens of GB; the machine's disk holds a few
 step bench_store "${STORE_LIMIT:-120}" python3 scripts/bench_store.py --gib 4 --chunk-tokens 2048 --page 64 \
   --chunks-per-segment 4
+step bench_first_pass "${FIRST_LIMIT:-240}" python3 scripts/bench_first_pass.py --model random:llama3-8b \
+  --requests 200 --repeats 2 --under-reads-too
+rm -rf /tmp/lazyrag-e2e-first-*

@@ -14,10 +14,11 @@ from lazyrag.commands.queries import Query, in_prompt_order
 from lazyrag.config import AnswerConfig
 from lazyrag.errors import InputError
 from lazyrag.eval import scoring
-from lazyrag.models import LoadedModel, load_model
+from lazyrag.models import LoadedModel, load_model, resolve_device
 from lazyrag.models.prompt import PromptFormat
 from lazyrag.serve import Engine, Recompute, Request, Sampling, Sequence
 from lazyrag.serve import faults
+from lazyrag.serve.loader import pin_staging_ahead
 from lazyrag.serve.memory import available_bytes, prefill_bytes
 from lazyrag.serve.paged import OutOfPages, pages_for
 from lazyrag.store import ChunkInfo, Store, StoreError, StoreMismatch
@@ -50,6 +51,8 @@ class QueryEngine:
     def __init__(self, store: Store, cfg: AnswerConfig, loaded: LoadedModel | None = None):
         """`loaded`: the store's model already loaded (`bench` builds an engine per configuration)."""
         self.cfg = cfg
+        if loaded is None:  # a fresh process: its first reads find their buffers pinned while the model loads
+            pin_staging_ahead(store, resolve_device(cfg.device))
         self.loaded = loaded or load_model_for(store, cfg)
         self.fmt = PromptFormat(self.loaded.tokenizer)
         self.context = self.loaded.cfg.max_position_embeddings

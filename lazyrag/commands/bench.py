@@ -27,7 +27,9 @@ from lazyrag.config import AnswerConfig, BenchConfig, IndexConfig, Mode
 from lazyrag.errors import InputError
 from lazyrag.eval import scoring
 from lazyrag.eval.fidelity import fidelity
+from lazyrag.models import resolve_device
 from lazyrag.serve import Sequence, faults
+from lazyrag.serve.loader import pin_staging_ahead, wait_staging_pinned
 from lazyrag.store import ChunkInfo, Store, StoreError
 from lazyrag.store.format import timestamp
 from lazyrag.workload import SYNTHETIC, Workload, documents, write_jsonl
@@ -185,7 +187,9 @@ def run_bench(cfg: BenchConfig, report: Callable[[str], None] = print, progress:
                 report(f"{base.queries}:{q.line}: query {q.id}: {exc}")
         if not resolved:
             raise InputError(f"none of the {len(sample)} sampled queries can be answered from {base.store}")
+        pin_staging_ahead(store, resolve_device(base.device))
         loaded = load_model_for(store, base)
+        wait_staging_pinned()  # the first configuration's cold pass pins nothing the others' would not
         bench = Bench(store, loaded, resolved, report)
         # the record goes to the run log; only a read-only store sends it beside the queries instead
         # (<queries>.bench.run.json), as answer does beside its answers

@@ -118,18 +118,54 @@ class Staging:
     """Host buffers that chunk reads land in on their way to the pool, recycled: SharedBuffers the
     reader process writes, pinned on a GPU.
 
-    Pinning memory is slow (about 0.2 s per 64 MB on an H200 machine, long enough to stall
-    chunk loads), so a buffer is made on the reader thread that first writes it and kept for the
-    process (handed from loader to loader). A buffer is written again only after its last copy
-    to the GPU has run: the reader thread waits for that copy, not the engine.
+    Pinning memory is slow and does not run in parallel (about 0.2 s per 277 MB buffer on an H200
+    machine, 1.6 s for 8 on 8 threads), so buffers are kept for the process (handed from loader to
+    loader), and `answer` has the first ones pinned on a thread of their own while its model loads
+    (`pin_staging_ahead`). A reader thread that finds no buffer ready waits for that thread while it
+    owes one; otherwise it makes its own. A buffer is written again only after its last copy to the
+    GPU has run: the reader thread waits for that copy, not the engine.
     """
 
-    _spare: dict[tuple[int, bool], list[SharedBuffer]] = {}  # process-wide, by (size in bytes, pinned)
-    _spare_lock = threading.Lock()
+    # process-wide, by (size in bytes, pinned): the buffers ready, and those the pinning thread owes
+    _spare: dict[tuple[int, bool], list[SharedBuffer]] = {}
+    _owed: dict[tuple[int, bool], int] = {}
+    _ready = threading.Condition()
 
     def __init__(self, nbytes: int, count: int, pin: bool):
         self.nbytes, self.pin = nbytes, pin
+        self.key = (nbytes, pin)
         self.free: deque[Slot] = deque((None, None) for _ in range(count))
+
+    @classmethod
+    def pin_ahead(cls, nbytes: int, count: int, device: torch.device | None = None) -> None:
+        """Start pinning, on a thread of its own, as many buffers of ``nbytes`` as the process lacks
+        to hold ``count``."""
+        key = (nbytes, True)
+        with cls._ready:
+            owed = count - len(cls._spare.get(key, [])) - cls._owed.get(key, 0)
+            if owed <= 0:
+                return
+            cls._owed[key] = cls._owed.get(key, 0) + owed
+        threading.Thread(target=cls._make, args=(key, owed, device), name="lazyrag-pin", daemon=True).start()
+
+    @classmethod
+    def _make(cls, key: tuple[int, bool], owed: int, device: torch.device | None) -> None:
+        try:
+            if device is not None and device.type == "cuda" and device.index is not None:
+                torch.cuda.set_device(device.index)  # a pinning counts for the device current on its thread
+            while owed:
+                buf = SharedBuffer(*key)
+                with cls._ready:
+                    cls._spare.setdefault(key, []).append(buf)
+                    cls._owed[key] -= 1
+                    owed -= 1
+                    cls._ready.notify_all()
+        except BaseException:
+            pass  # the reader threads make their own buffers, and the first that fails says why
+        finally:
+            with cls._ready:  # whatever is still owed never comes: nobody waits for it
+                cls._owed[key] -= owed
+                cls._ready.notify_all()
 
     def take(self) -> Slot | None:
         return self.free.popleft() if self.free else None
@@ -139,13 +175,15 @@ class Staging:
         self.free.append((buf, copied))
 
     def writable(self, slot: Slot) -> SharedBuffer:
-        """The slot's buffer once no copy reads it, made now if it has none (a reader thread calls this)."""
+        """The slot's buffer once no copy reads it: a ready one, or the next one pinned, or made now
+        if none is owed (a reader thread calls this)."""
         buf, copied = slot
         if copied is not None:
             copied.synchronize()
         if buf is None:
-            with self._spare_lock:
-                spare = self._spare.get((self.nbytes, self.pin))
+            with self._ready:
+                self._ready.wait_for(lambda: self._spare.get(self.key) or not self._owed.get(self.key))
+                spare = self._spare.get(self.key)
                 buf = spare.pop() if spare else None
         return buf if buf is not None else SharedBuffer(self.nbytes, pin=self.pin)
 
@@ -155,8 +193,35 @@ class Staging:
             if buf is not None:
                 if copied is not None:
                     copied.synchronize()
-                with self._spare_lock:
-                    self._spare.setdefault((self.nbytes, self.pin), []).append(buf)
+                with self._ready:
+                    self._spare.setdefault(self.key, []).append(buf)
+
+
+STAGING_BYTES = 4 << 30  # a loader's default budget of bytes read ahead and not loaded yet
+
+
+def staging_shape(store: Store, staging_bytes: int = STAGING_BYTES) -> tuple[int, int]:
+    """A loader's staging over ``store``: (bytes a buffer holds: the store's longest chunk, buffers);
+    (0, 0) for an empty store."""
+    chunk_bytes = store.max_padded_length() * store.settings.row_bytes  # fp8 rows carry their scales
+    return (chunk_bytes, max(2, staging_bytes // chunk_bytes)) if chunk_bytes else (0, 0)
+
+
+def pin_staging_ahead(store: Store, device: torch.device, staging_bytes: int = STAGING_BYTES) -> None:
+    """On a GPU, start pinning the staging buffers a loader over ``store`` can use (its budget's
+    worth, at most one per stored chunk) on a thread of their own. `answer` and `bench` call this
+    before their model loads, so that a fresh process does not pin them under its first reads
+    (about 3 s for an 8B model's 4 GB on an H200 machine); pinned beside the engine's graph
+    capture instead, they slowed the capture by as much as they saved (scripts/bench_first_pass.py)."""
+    nbytes, count = staging_shape(store, staging_bytes)
+    if device.type == "cuda" and nbytes:
+        Staging.pin_ahead(nbytes, min(count, store.num_chunks), device)
+
+
+def wait_staging_pinned() -> None:
+    """Return once the buffers pin_staging_ahead started are pinned (or have failed)."""
+    with Staging._ready:
+        Staging._ready.wait_for(lambda: not any(Staging._owed.values()))
 
 
 @dataclass
@@ -184,7 +249,7 @@ class ChunkLoader:
     chunk, made when first used)."""
 
     def __init__(self, store: Store, pool: PagePool, host_cache_bytes: float = 0, read_threads: int | None = None,
-                 staging_bytes: int = 4 << 30):
+                 staging_bytes: int = STAGING_BYTES):
         self.store, self.pool = store, pool
         self.host = _HostTier(int(host_cache_bytes))
         threads = read_threads or chunk_read_threads()
@@ -198,9 +263,9 @@ class ChunkLoader:
         self.stream = torch.cuda.Stream(pool.kv.device) if pool.kv.is_cuda else None
         self.row_bytes = store.settings.row_bytes  # fp8 rows carry their scales: the loader moves both
         self.staging = None
-        chunk_bytes = store.max_padded_length() * self.row_bytes
-        if chunk_bytes:  # reads deeper than the buffers wait for one to come back
-            self.staging = Staging(chunk_bytes, max(2, staging_bytes // chunk_bytes), pin=pool.kv.is_cuda)
+        nbytes, count = staging_shape(store, staging_bytes)
+        if nbytes:  # reads deeper than the buffers wait for one to come back
+            self.staging = Staging(nbytes, count, pin=pool.kv.is_cuda)
 
     def prefetch(self, infos: list[ChunkInfo]) -> None:
         """Read ahead the chunks coming requests need (none in the pool), in that order: chunks in

@@ -119,3 +119,16 @@ def test_queries_or_synthetic_is_named_once(store, with_queries, args, says):
     path, queries = store
     res = cli("bench", *([queries] if with_queries else []), *args, "--store", path, *FAST)
     assert res.exit_code == 3 and says in res.stderr, res.output
+
+
+def test_staging_is_pinned_while_the_model_loads_and_before_the_first_pass(store, monkeypatch):
+    """So the first configuration's cold pass pins no buffer that the later ones find pinned."""
+    path, queries = store
+    calls = []
+    load, measure = bench.load_model_for, bench.Bench.measure
+    monkeypatch.setattr(bench, "pin_staging_ahead", lambda s, device: calls.append(("pin", device.type)))
+    monkeypatch.setattr(bench, "load_model_for", lambda s, cfg: calls.append("load") or load(s, cfg))
+    monkeypatch.setattr(bench, "wait_staging_pinned", lambda: calls.append("wait"))
+    monkeypatch.setattr(bench.Bench, "measure", lambda self, *a: calls.append("measure") or measure(self, *a))
+    bench_json(path, queries, "--modes", "lazy", "--recompute", "0", "--batch-sizes", "4")
+    assert calls == [("pin", "cpu"), "load", "wait", "measure"]
