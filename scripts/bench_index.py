@@ -72,15 +72,46 @@ class Timeline:
         if not self.writes:
             return "no writes"
         spans = sorted(self.writes)
-        busy, hi = 0.0, spans[0][0]
-        for a, b in spans:  # the union of the write spans: when at least one segment was being written
-            busy += max(0.0, b - max(a, hi))
-            hi = max(hi, b)
         first, last = spans[0][0], max(b for _, b in spans)
         model_done = max(b for _, b in self.copies)
-        return (f"first write began {first - t0:.2f} s; last batch off the GPU {model_done - t0:.2f} s; a write "
-                f"under way {busy:.2f} s of the {last - first:.2f} s from first to last; last write done "
-                f"{last - t0:.2f} s; index returned {t_end - t0:.2f} s")
+        first_copy = min(self.copies)
+        at_once = ", ".join(f"{k} {v:.2f} s" for k, v in sorted(writes_at_once(spans).items()) if k)
+        durations = sorted(b - a for a, b in spans)
+        return (f"first batch off the GPU {first_copy[0] - t0:.2f}-{first_copy[1] - t0:.2f} s; first write began "
+                f"{first - t0:.2f} s; last batch off the GPU {model_done - t0:.2f} s; from first to last write "
+                f"({last - first:.2f} s) writes under way at once: {at_once}; a segment's write took "
+                f"{durations[0]:.2f}-{durations[-1]:.2f} s (median {durations[len(durations) // 2]:.2f}); last write "
+                f"done {last - t0:.2f} s; index returned {t_end - t0:.2f} s")
+
+
+def writes_at_once(spans: list[tuple[float, float]]) -> dict[int, float]:
+    """Seconds during which k writes were under way, for each k, between the first start and last end."""
+    events = sorted([(a, 1) for a, _ in spans] + [(b, -1) for _, b in spans])
+    seconds: dict[int, float] = {}
+    k, at = 0, events[0][0]
+    for t, step in events:
+        seconds[k] = seconds.get(k, 0.0) + t - at
+        k, at = k + step, t
+    return seconds
+
+
+def synchronizing_calls(fn) -> str:
+    """The places in fn that make the host wait for the GPU (torch's sync debug mode), counted and
+    named: each one drains the GPU's queue, so a batch is launched only once the last has run."""
+    if not torch.cuda.is_available():
+        return "n/a (CPU)"
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    found = sorted({f"{'/'.join(Path(w.filename).parts[-3:])}:{w.lineno}" for w in caught
+                    if "synchroniz" in str(w.message)})
+    return f"{len(found)} places" + (f": {', '.join(found[:4])}" if found else "")
 
 
 def disk_speed_mb_s(directory: Path, mb: int) -> tuple[float, float]:
@@ -134,6 +165,8 @@ def main() -> None:
     batches = list(page_batches(chunks, batch_pages, ps))
     encoder.encode([list(c.token_ids) for c in batches[0]])  # warm-up (Triton compilation)
     sync()
+    one_batch = [list(c.token_ids) for c in batches[1 % len(batches)]]
+    syncs = synchronizing_calls(lambda: index.stored_rows(encoder.encode(one_batch), settings))
     t = time.perf_counter()
     for b in batches:
         encoder.encode([list(c.token_ids) for c in b])
@@ -179,6 +212,7 @@ def main() -> None:
         ("chunks / tokens", f"{len(chunks)} / {tokens:,}"),
         ("KV per token", f"{per_token / 1024:.0f} KiB"),
         ("bare forward", f"{bare_tok_s:,.0f} tok/s"),
+        ("calls that wait for the GPU in one batch (encode and quantise)", syncs),
         ("batches (pages each)", f"{len(batches)}: {', '.join(str(sum(len(c.token_ids) for c in b) // ps) for b in batches)}"),
         (f"disk write before index ({mb:,} MB, dd oflag=direct, 1 / {index.WRITER_THREADS} at once)",
          f"{disk_before[0]:,.0f} / {disk_before[1]:,.0f} MB/s"),

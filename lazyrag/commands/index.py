@@ -174,7 +174,7 @@ def aligned_host_copy(kv: torch.Tensor, buffer: np.ndarray) -> torch.Tensor:
     return host.view(kv.dtype).view(kv.shape).copy_(kv)
 
 
-WRITER_THREADS = 3  # segments written at once: enough to keep a disk's queue full while one fsyncs
+WRITER_THREADS = 4  # segments written at once: the H200 machine's disk took more at 4 than at 3 (docs/benchmarks.md)
 PREFAULT_PIECE = 64 << 20  # bytes of a writer's buffer touched between looks at its queue
 
 

@@ -154,7 +154,9 @@ class PagePool:
 
     def read_tokens(self, pages: list[int]) -> torch.Tensor:
         """The inverse of write_tokens: [len(pages) * page_size, *StoreSettings.row_shape]."""
-        at = torch.tensor(pages, device=self.kv.device)
+        # non_blocking: a blocking copy would wait for the GPU, and index's next batch would only be
+        # launched once this one had run
+        at = torch.tensor(pages).to(self.kv.device, non_blocking=True)
         x = self.kv[:, :, at].permute(2, 3, 1, 0, 4, 5)
         if self.scales is not None:
             x = pack_fp8_rows(x, self.scales[:, :, at].permute(2, 3, 1, 0, 4))
