@@ -27,8 +27,8 @@ from pathlib import Path
 import torch
 
 from lazyrag.commands import index
-from lazyrag.commands.index import ChunkEncoder, build_index, page_batches, pages_per_batch, store_settings, \
-    stored_chunks
+from lazyrag.commands.index import ChunkEncoder, build_index, chunk_corpus, page_batches, pages_per_batch, \
+    store_settings
 from lazyrag.config import IndexConfig
 from lazyrag.corpus import read_corpus
 from lazyrag.models import load_model
@@ -158,7 +158,7 @@ def main() -> None:
     loaded = load_model(cfg.model, cfg.device, cfg.dtype)
     ps = cfg.page_size
     settings = store_settings(loaded, cfg.model, cfg.chunk_tokens, ps)
-    chunks = [c for d in read_corpus(corpus) for c in stored_chunks(d, loaded.tokenizer, settings)]
+    chunks = [c for doc in chunk_corpus(read_corpus(corpus), loaded.tokenizer, settings).values() for c in doc]
     tokens = sum(len(c.token_ids) for c in chunks)
     batch_pages = pages_per_batch(cfg, settings)
     encoder = ChunkEncoder(loaded, list(settings.preamble_ids), ps, batch_pages)

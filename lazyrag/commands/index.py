@@ -12,10 +12,11 @@ each over its share.
 
 from __future__ import annotations
 
+import itertools
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -23,7 +24,7 @@ import torch
 
 from lazyrag import kernels
 from lazyrag.config import IndexConfig
-from lazyrag.corpus import SPLITTER, CorpusStats, Document, chunk_document, read_corpus
+from lazyrag.corpus import SPLITTER, CorpusStats, Document, chunk_documents, read_corpus
 from lazyrag.models import LoadedModel, load_model
 from lazyrag.models.prompt import PromptFormat
 from lazyrag.serve.paged import Feed, PagedAttention, PagePool, StepInputs, page_rows, pages_for
@@ -77,14 +78,34 @@ def store_settings(loaded: LoadedModel, name: str, chunk_tokens: int, page_size:
     )
 
 
-def stored_chunks(doc: Document, tokenizer, settings: StoreSettings) -> list[NewChunk]:
-    """A document's chunks as the store keeps them: separator appended, id from the content."""
+TOKENIZED_AT_ONCE = 256  # documents a tokenizer call takes: a fast tokenizer spreads them over the cores
+
+
+def stored_chunks(docs: Sequence[Document], tokenizer, settings: StoreSettings) -> list[list[NewChunk]]:
+    """Each document's chunks as the store keeps them: separator appended, id from the content."""
     separator = tuple(settings.chunking["separator_ids"])
-    chunks = []
-    for ordinal, chunk in enumerate(chunk_document(doc.model_text, tokenizer, settings.chunking["chunk_tokens"])):
-        ids = tuple(chunk.token_ids) + separator
-        chunks.append(NewChunk(chunk_id_for(settings, ids), doc.id, ordinal, ids, chunk.text))
-    return chunks
+    texts = [doc.model_text for doc in docs]
+    lists = []
+    for doc, chunks in zip(docs, chunk_documents(texts, tokenizer, settings.chunking["chunk_tokens"])):
+        lists.append([])
+        for ordinal, chunk in enumerate(chunks):
+            ids = tuple(chunk.token_ids) + separator
+            lists[-1].append(NewChunk(chunk_id_for(settings, ids), doc.id, ordinal, ids, chunk.text))
+    return lists
+
+
+def chunk_corpus(docs: Iterable[Document], tokenizer, settings: StoreSettings) -> dict[str, list[NewChunk]]:
+    """Every document's stored chunks by id (a later document of the same id replaces an earlier one),
+    tokenized TOKENIZED_AT_ONCE documents a call."""
+    chunked: dict[str, list[NewChunk]] = {}
+    batch: list[Document] = []
+    for doc in itertools.chain(docs, [None]):
+        if doc is not None:
+            batch.append(doc)
+        if batch and (doc is None or len(batch) == TOKENIZED_AT_ONCE):
+            chunked.update((d.id, chunks) for d, chunks in zip(batch, stored_chunks(batch, tokenizer, settings)))
+            batch = []
+    return chunked
 
 
 def pages_per_batch(cfg: IndexConfig, settings: StoreSettings) -> int:
@@ -333,8 +354,8 @@ def build_index(cfg: IndexConfig, report=print, progress: bool = True, loaded: L
     with Store.create_or_open(cfg.store, settings) as store:
         # Chunk the whole corpus first: cheap next to the model, and it gives the bar a total.
         stats = CorpusStats()
-        documents = {doc.id: stored_chunks(doc, loaded.tokenizer, settings)
-                     for doc in read_corpus(cfg.corpus, skip_bad=cfg.skip_bad, report=report, stats=stats)}
+        documents = chunk_corpus(read_corpus(cfg.corpus, skip_bad=cfg.skip_bad, report=report, stats=stats),
+                                 loaded.tokenizer, settings)
         damaged, todo = plan(store, documents, cfg.verify)
         removed = sync_documents(cfg, store, documents)
         bar = ProgressBar(len(todo), progress)

@@ -28,8 +28,8 @@ from multiprocessing.connection import Connection, wait
 import click
 import torch
 
-from lazyrag.commands.index import (IndexResult, ProgressBar, encode_chunks, index_result, pages_per_batch, plan,
-                                    store_settings, stored_chunks, sync_documents)
+from lazyrag.commands.index import (IndexResult, ProgressBar, chunk_corpus, encode_chunks, index_result,
+                                    pages_per_batch, plan, store_settings, sync_documents)
 from lazyrag.commands.index import build_index
 from lazyrag.config import IndexConfig
 from lazyrag.corpus import CorpusStats, Document, read_corpus
@@ -220,8 +220,8 @@ def run_worker(device: str, options: dict, conn: Connection) -> None:
         settings = store_settings(loaded, options["model"], options["chunk_tokens"], options["page_size"])
         chunks: dict[str, NewChunk] = {}
         lists = {}
-        for doc_id, text, title, source in docs:
-            doc_chunks = stored_chunks(Document(doc_id, text, title, source), loaded.tokenizer, settings)
+        documents = chunk_corpus((Document(*doc) for doc in docs), loaded.tokenizer, settings)
+        for doc_id, doc_chunks in documents.items():
             lists[doc_id] = [[c.chunk_id, c.ordinal, list(c.token_ids), c.text] for c in doc_chunks]
             for c in doc_chunks:
                 chunks.setdefault(c.chunk_id, c)

@@ -6,11 +6,11 @@ concatenate back to exactly the document's ids: no token is split or re-tokenize
 
 from __future__ import annotations
 
-import functools
-import re
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
+
+import numpy as np
 
 # Recorded in a store's chunking settings: a store chunked by other rules is refused.
 SPLITTER = "paragraph-sentence-v1"
@@ -19,12 +19,12 @@ SPLITTER = "paragraph-sentence-v1"
 class Tokenizer(Protocol):
     """What the chunker needs: a Hugging Face *fast* tokenizer satisfies it.
 
-    ``tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)`` returns
-    a mapping with ``input_ids`` (list of int) and ``offset_mapping`` (list of
-    ``(start, end)`` character offsets into ``text``, one per token).
+    ``tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)``, given a list of
+    texts, returns a mapping with ``input_ids`` (a list of ints per text) and ``offset_mapping``
+    (a list of ``(start, end)`` character offsets into its text per text, one per token).
     """
 
-    def __call__(self, text: str, *, add_special_tokens: bool, return_offsets_mapping: bool) -> Any: ...
+    def __call__(self, texts: list[str], *, add_special_tokens: bool, return_offsets_mapping: bool) -> Any: ...
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,6 @@ class Chunk:
 
 # Boundary strength of a cut placed just before a token.
 _ANY, _LINE, _SENTENCE, _PARAGRAPH = 0, 1, 2, 3
-_BLANK_LINE = re.compile(r"\n[^\S\n]*\n")
 _SENTENCE_END = ".!?…"
 _CLOSERS = "\"')]}»”’"
 _LOOKBACK = 64  # how far back to look for whitespace and sentence ends, in characters
@@ -58,11 +57,22 @@ def chunk_document(text: str, tokenizer: Tokenizer, chunk_tokens: int) -> list[C
     is shorter than ``chunk_tokens // 2`` tokens. A document of at most
     ``chunk_tokens`` tokens is one chunk.
     """
+    return chunk_documents([text], tokenizer, chunk_tokens)[0]
+
+
+def chunk_documents(texts: Sequence[str], tokenizer: Tokenizer, chunk_tokens: int) -> list[list[Chunk]]:
+    """Each text's chunks, as ``chunk_document`` cuts them; the texts are tokenized in one call,
+    which a fast tokenizer spreads over the cores."""
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be at least 1, got {chunk_tokens}")
-    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    ids = [int(i) for i in enc["input_ids"]]
-    offsets = [(int(a), int(b)) for a, b in enc["offset_mapping"]]
+    if not texts:
+        return []
+    enc = tokenizer(list(texts), add_special_tokens=False, return_offsets_mapping=True)
+    return [_cut(text, list(map(int, ids)), np.asarray(offsets, dtype=np.int64).reshape(-1, 2), chunk_tokens)
+            for text, ids, offsets in zip(texts, enc["input_ids"], enc["offset_mapping"], strict=True)]
+
+
+def _cut(text: str, ids: list[int], offsets: np.ndarray, chunk_tokens: int) -> list[Chunk]:
     if len(ids) != len(offsets):
         raise ValueError("tokenizer returned a different number of ids and offsets")
     n = len(ids)
@@ -71,12 +81,7 @@ def chunk_document(text: str, tokenizer: Tokenizer, chunk_tokens: int) -> list[C
     if n <= chunk_tokens:
         return [_make_chunk(text, ids, offsets, 0, n)]
 
-    # a cut only looks back from the end of its window, stopping at a paragraph: strengths are
-    # computed as it asks for them (for every token, they were most of the time of chunking)
-    @functools.cache
-    def strength(i: int) -> int:
-        return _strength_before(text, offsets[i][0], offsets[i][1]) if 0 < i < n else _ANY
-
+    strength = _boundary_strengths(text, offsets)
     chunks = []
     start = 0
     while n - start > chunk_tokens:
@@ -87,50 +92,61 @@ def chunk_document(text: str, tokenizer: Tokenizer, chunk_tokens: int) -> list[C
     return chunks
 
 
-def _choose_cut(strength: Callable[[int], int], offsets: Sequence[tuple[int, int]], start: int, chunk_tokens: int) -> int:
+def _choose_cut(strength: np.ndarray, offsets: np.ndarray, start: int, chunk_tokens: int) -> int:
     """The index of the first token of the next chunk: in (start, start + chunk_tokens]."""
     limit = start + chunk_tokens
-    earliest = start + (chunk_tokens + 1) // 2  # second half of the window only
-    best_at, best = limit, -1
-    for c in range(limit, max(earliest, start + 1) - 1, -1):
-        if (s := strength(c)) > best:
-            best_at, best = c, s
-            if best == _PARAGRAPH:
-                break
-    if best > _ANY:
-        return best_at
+    earliest = max(start + (chunk_tokens + 1) // 2, start + 1)  # second half of the window only
+    window = strength[earliest: limit + 1]
+    best = int(window.max())
+    if best > _ANY:  # the strongest boundary, the last of them
+        return limit - int(np.argmax(window[::-1] == best))
     # No preferred boundary: cut at the end of the window, unless that splits the
     # bytes of one character between two tokens (their offsets overlap).
-    for c in range(limit, start, -1):
-        if offsets[c][0] >= offsets[c - 1][1]:
-            return c
-    return limit
+    clean = offsets[start + 1: limit + 1, 0] >= offsets[start: limit, 1]
+    return limit - int(np.argmax(clean[::-1])) if clean.any() else limit
 
 
-def _strength_before(text: str, start: int, end: int) -> int:
-    # The whitespace around the cut: what precedes the token and what it begins with.
-    j = start
-    while j > 0 and start - j < _LOOKBACK and text[j - 1].isspace():
-        j -= 1
-    k = start
-    while k < end and text[k].isspace():
-        k += 1
-    gap = text[j:k]
-    if not gap:
-        return _ANY
-    if _BLANK_LINE.search(gap):
-        return _PARAGRAPH
-    p = j
-    while p > 0 and j - p < _LOOKBACK and text[p - 1] in _CLOSERS:
-        p -= 1
-    if p > 0 and text[p - 1] in _SENTENCE_END:
-        return _SENTENCE
-    if "\n" in gap:
-        return _LINE
-    return _ANY
+def _boundary_strengths(text: str, offsets: np.ndarray) -> np.ndarray:
+    """The strength of a cut just before each token, for all of them at once (int8; the first
+    token's is _ANY). The whitespace around a cut is what precedes the token (at most _LOOKBACK
+    characters) and what it begins with; two newlines in it make a paragraph break, a sentence end
+    before it (maybe followed by closers, at most _LOOKBACK of them) a sentence break, one newline
+    a line break."""
+    chars = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
+    distinct, inverse = np.unique(chars, return_inverse=True)
+
+    def char_class(test) -> np.ndarray:  # asked once per distinct character
+        return np.array([test(chr(c)) for c in distinct], dtype=bool)[inverse].reshape(chars.shape)
+
+    space, closer = char_class(str.isspace), char_class(_CLOSERS.__contains__)
+    ender = char_class(_SENTENCE_END.__contains__)
+    newlines = np.concatenate([[0], np.cumsum(chars == ord("\n"))])
+    begin, end = offsets[:, 0], offsets[:, 1]
+    # j: where the whitespace before the token begins; k: where the token's own leading whitespace ends
+    j = np.maximum(_run_start(space)[begin], np.maximum(begin - _LOOKBACK, 0))
+    k = np.maximum(begin, np.minimum(_run_end(space)[begin], end))
+    p = np.maximum(_run_start(closer)[j], np.maximum(j - _LOOKBACK, 0))
+    lines = newlines[k] - newlines[j]
+    sentence = (p > 0) & ender[np.maximum(p - 1, 0)]
+    strength = np.where(lines >= 2, _PARAGRAPH, np.where(sentence, _SENTENCE, np.where(lines == 1, _LINE, _ANY)))
+    strength[j == k] = _ANY  # no whitespace at all: inside a word
+    strength[0] = _ANY
+    return strength.astype(np.int8)
 
 
-def _make_chunk(text: str, ids: list[int], offsets: list[tuple[int, int]], a: int, b: int) -> Chunk:
-    lo = min(o[0] for o in offsets[a:b])
-    hi = max(o[1] for o in offsets[a:b])
-    return Chunk(token_ids=tuple(ids[a:b]), text=text[lo:hi])
+def _run_start(member: np.ndarray) -> np.ndarray:
+    """For each position p (0..len): where the run of members ending just before p begins."""
+    at = np.arange(len(member) + 1)
+    last_other = np.concatenate([[0], np.where(member, 0, at[1:])])  # p's value: 1 + last non-member before p
+    return np.maximum.accumulate(last_other)
+
+
+def _run_end(member: np.ndarray) -> np.ndarray:
+    """For each position p (0..len): the first non-member at or after p (len if none)."""
+    size = len(member)
+    at = np.where(member, size, np.arange(size))
+    return np.concatenate([np.minimum.accumulate(at[::-1])[::-1], [size]])
+
+
+def _make_chunk(text: str, ids: list[int], offsets: np.ndarray, a: int, b: int) -> Chunk:
+    return Chunk(token_ids=tuple(ids[a:b]), text=text[int(offsets[a:b, 0].min()): int(offsets[a:b, 1].max())])

@@ -113,7 +113,8 @@ def test_a_document_cut_off_by_a_kill_is_not_answered_or_counted(indexed, tmp_pa
     loaded = load_model("random:tiny", "cpu")  # the store's: auto's bf16
     with Store.open(store) as st:
         settings = st.settings
-    long = stored_chunks(Document("late", SIX.replace("river", "lake"), None, "c.jsonl:3"), loaded.tokenizer, settings)
+    long = stored_chunks([Document("late", SIX.replace("river", "lake"), None, "c.jsonl:3")], loaded.tokenizer,
+                         settings)[0]
     assert store_settings(loaded, "random:tiny", 16, settings.page_size).compat_key() == settings.compat_key()
     with Store.create_or_open(store, settings) as st:  # as an index killed after its first chunk
         st.put_documents(long)

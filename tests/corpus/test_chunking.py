@@ -21,6 +21,9 @@ class WordTokenizer:
 
     def __call__(self, text, *, add_special_tokens, return_offsets_mapping):
         assert add_special_tokens is False and return_offsets_mapping is True
+        if isinstance(text, list):  # a batch, as a fast tokenizer takes it
+            each = [self(t, add_special_tokens=False, return_offsets_mapping=True) for t in text]
+            return {key: [e[key] for e in each] for key in ("input_ids", "offset_mapping")}
         ids, offsets = [], []
         for m in self.pattern.finditer(text):
             ids.append(self.vocab.setdefault(m.group(), len(self.vocab)))
@@ -142,3 +145,102 @@ def test_real_fast_tokenizer_protocol():
         assert all(c.text and c.text in text for c in chunks)
     chunks = chunk_document(text, tok, 50)
     assert all(c.text.endswith("!\n\n") for c in chunks[:-1])  # cut at paragraph ends
+
+
+# The chunker finds boundaries over whole arrays; this is the rule as one loop per token, the
+# reference it must match cut for cut.
+def reference_chunk_document(text, tok, chunk_tokens):
+    enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids, offsets = list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]]
+    n = len(ids)
+
+    def strength(i):
+        if not 0 < i < n:
+            return 0
+        start, end = offsets[i]
+        j = start
+        while j > 0 and start - j < 64 and text[j - 1].isspace():
+            j -= 1
+        k = start
+        while k < end and text[k].isspace():
+            k += 1
+        gap = text[j:k]
+        if not gap:
+            return 0
+        if re.search(r"\n[^\S\n]*\n", gap):
+            return 3
+        p = j
+        while p > 0 and j - p < 64 and text[p - 1] in "\"')]}»”’":
+            p -= 1
+        if p > 0 and text[p - 1] in ".!?…":
+            return 2
+        return 1 if "\n" in gap else 0
+
+    def cut(start):
+        limit = start + chunk_tokens
+        best_at, best = limit, -1
+        for c in range(limit, max(start + (chunk_tokens + 1) // 2, start + 1) - 1, -1):
+            if strength(c) > best:
+                best_at, best = c, strength(c)
+        if best > 0:
+            return best_at
+        for c in range(limit, start, -1):
+            if offsets[c][0] >= offsets[c - 1][1]:
+                return c
+        return limit
+
+    bounds, start = [0], 0
+    while n - start > chunk_tokens:
+        start = cut(start)
+        bounds.append(start)
+    bounds.append(n)
+    return [(tuple(ids[a:b]), text[min(o[0] for o in offsets[a:b]): max(o[1] for o in offsets[a:b])])
+            for a, b in zip(bounds, bounds[1:]) if b > a]
+
+
+class CharTokenizer(WordTokenizer):
+    """One token a character, except that some characters come out as two tokens over the same
+    span (as byte-level BPE splits a multi-byte character: overlapping offsets)."""
+
+    def __call__(self, text, *, add_special_tokens, return_offsets_mapping):
+        if isinstance(text, list):
+            return super().__call__(text, add_special_tokens=add_special_tokens,
+                                    return_offsets_mapping=return_offsets_mapping)
+        ids, offsets = [], []
+        for i, ch in enumerate(text):
+            for _ in range(2 if ord(ch) > 0x2000 else 1):
+                ids.append(self.vocab.setdefault(ch, len(self.vocab)))
+                offsets.append((i, i + 1))
+        return {"input_ids": ids, "offset_mapping": offsets}
+
+
+@pytest.mark.parametrize("tok", [WordTokenizer(), NewlineTokenizer(), CharTokenizer()], ids=type)
+def test_cuts_match_the_per_token_reference(tok):
+    import random
+
+    rng = random.Random(7)
+    pieces = ["alpha", "beta.", "gamma!", "delta?", "end…", "\n", "\n\n", " \n \n", "\t", "\u00a0", "\u2003",
+              "\x1c", "eps", "(zeta.)", "\"quoted.\"", "it.’”", "x)]}", "😀", "Über", "." + ")" * 70,
+              " " * 70, "\n" + " " * 70 + "\n", "a.\u2003\n"]
+    for trial in range(60):
+        text = "".join(rng.choice(pieces) + rng.choice(["", " ", "  "]) for _ in range(rng.randint(1, 300)))
+        for chunk_tokens in (1, 2, 3, 7, 32, 100):
+            got = [(c.token_ids, c.text) for c in chunk_document(text, tok, chunk_tokens)]
+            assert got == reference_chunk_document(text, tok, chunk_tokens), (trial, chunk_tokens)
+
+
+def test_a_batch_is_cut_as_each_text_alone():
+    """chunk_documents tokenizes its texts in one call; the cuts are those of each text alone, with
+    a real fast tokenizer too (a batch is not padded)."""
+    pytest.importorskip("tokenizers")
+    from lazyrag.corpus import chunk_documents
+    from lazyrag.models.presets import byte_tokenizer
+
+    texts = ["First text. It has two sentences.\n\nAnd a paragraph.", "", words(90) + ".\n" + words(40, 90),
+             "short"]
+    for tok in (WordTokenizer(), byte_tokenizer()):
+        for chunk_tokens in (4, 16, 1000):
+            assert chunk_documents(texts, tok, chunk_tokens) == [chunk_document(t, tok, chunk_tokens) for t in texts]
+    assert chunk_documents([], WordTokenizer(), 8) == []
+    with pytest.raises(ValueError, match="at least 1"):
+        chunk_documents(["x"], WordTokenizer(), 0)
