@@ -5,12 +5,15 @@ A directory there is this store's segment only if the catalog names it, or if it
 the store's segment pattern and it carries the store's marker (written before any data). An
 orphan (marked, not in the catalog: a crash between the data and the catalog commit) may be
 deleted, and so may a segment-named directory that holds no data, only a torn marker or nothing
-(a crash between its mkdir and its marker); anything else is left where it is, with a warning.
+(a crash between its mkdir and its marker), and a half-written copy of the folder's own
+zarr.json (zarr rewrites it through a temporary file each time a segment's array is created);
+anything else is left where it is, with a warning.
 Symbolic links are never followed: a store deletes nothing outside its own directory.
 """
 
 from __future__ import annotations
 
+import re
 import shutil
 import sys
 from collections.abc import Callable
@@ -23,6 +26,7 @@ from .segments import SegmentReader, marked_by
 
 Warn = Callable[[str], None]
 MARKER_MAX_BYTES = 1024  # a marker is a line of JSON; anything larger is not one being written
+TORN_ZARR_JSON = re.compile(r"zarr\.[0-9a-f]{32}\.partial")  # zarr's temporary file for a zarr.json
 
 
 def warn_stderr(message: str) -> None:
@@ -33,7 +37,7 @@ def warn_stderr(message: str) -> None:
 class SegmentsScan:
     """The entries of ``segments/`` the catalog does not name."""
 
-    orphans: list[Path] = field(default_factory=list)  # this store's, safe to delete
+    orphans: list[Path] = field(default_factory=list)  # this store's, safe to delete (a torn zarr.json: a file)
     unrecognised: list[str] = field(default_factory=list)  # why each other entry is left alone
     missing: list[str] = field(default_factory=list)  # segments the catalog names that are not there
 
@@ -53,6 +57,8 @@ def scan_segments(root: Path, store_id: str | None, known: set[str]) -> Segments
             present.add(child.name)
         elif child.name == "zarr.json" and child.is_file() and not child.is_symlink():
             pass  # the segments group's own metadata
+        elif TORN_ZARR_JSON.fullmatch(child.name) and child.is_file() and not child.is_symlink():
+            scan.orphans.append(child)
         elif child.is_symlink():
             scan.unrecognised.append(f"{child} is a symbolic link, not a segment of this store; left in place")
         elif (child.is_dir() and SEGMENT_NAME.fullmatch(child.name) and store_id is not None
@@ -82,7 +88,7 @@ def delete_orphans(root: Path, store_id: str | None, known: set[str], warn: Warn
     """Delete the orphan segments of the store at ``root``; warn about anything else unknown."""
     scan = scan_segments(root, store_id, known)
     for orphan in scan.orphans:
-        shutil.rmtree(orphan)
+        shutil.rmtree(orphan) if orphan.is_dir() else orphan.unlink()
     for message in scan.unrecognised:
         warn(message)
     return len(scan.orphans)

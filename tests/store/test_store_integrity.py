@@ -169,3 +169,22 @@ def test_a_segment_stopped_before_its_marker_was_whole_is_deleted_and_nothing_ho
     Store.create_or_open(path, s, warn=warnings.append).close()
     assert sorted(p.name for p in segments.iterdir() if p.is_dir()) == ["seg-000003-00000003", "seg-000004-00000004"]
     assert len(warnings) == 2 and all("left in place" in w for w in warnings)
+
+
+def test_a_half_written_copy_of_the_segments_folders_metadata_is_deleted(tmp_path):
+    """zarr rewrites segments/zarr.json through a temporary file as each segment's array is made: a
+    kill in between leaves that file, which opening for writing deletes (no warning on every run)."""
+    path = tmp_path / "s.zarr"
+    s = settings()
+    Store.create_or_open(path, s).close()
+    segments = path / "segments"
+    segments.mkdir(exist_ok=True)
+    torn = segments / f"zarr.{'7da1ad70' * 4}.partial"
+    torn.write_text('{"zarr_format": 3, "node_')
+    (segments / "zarr.notzarrs.partial").write_text("{}")  # not zarr's name for one: left, with a warning
+    with Store.open(path) as st:
+        assert [Path(p).name for p in st.check().orphan_segments] == [torn.name]
+    warnings: list[str] = []
+    Store.create_or_open(path, s, warn=warnings.append).close()
+    assert not torn.exists() and (segments / "zarr.notzarrs.partial").exists()
+    assert len(warnings) == 1 and "zarr.notzarrs.partial" in warnings[0]
