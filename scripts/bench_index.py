@@ -15,6 +15,7 @@ Usage: python scripts/bench_index.py --model random:llama3-8b --dtype bf16 --doc
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
 import random
@@ -33,7 +34,9 @@ from lazyrag.config import IndexConfig
 from lazyrag.corpus import read_corpus
 from lazyrag.models import load_model
 from lazyrag.serve.paged import pages_for
-from lazyrag.store import Store
+from lazyrag.store import Store, file_writes
+
+import trace_gaps  # scripts/trace_gaps.py, beside this one
 
 
 def sync():
@@ -114,6 +117,42 @@ def synchronizing_calls(fn) -> str:
     return f"{len(found)} places" + (f": {', '.join(found[:4])}" if found else "")
 
 
+def traced(run, name: str) -> str:
+    """``run`` under torch.profiler with the model thread's phases labelled (the profiler records no
+    labels on the writer threads; the timeline row times them); the trace goes to
+    $OUT/trace-index-<name>.json.gz and the GPU's busy and idle time by phase is returned
+    (scripts/trace_gaps.py)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from lazyrag.commands.index import BatchWriter, ChunkEncoder
+
+    targets = [(ChunkEncoder, "encode"), (index, "stored_rows"), (BatchWriter, "put")]
+    originals = [(owner, attr, getattr(owner, attr)) for owner, attr in targets]
+
+    def labelled(fn, label):
+        def wrapped(*a, **k):
+            with record_function(label):
+                return fn(*a, **k)
+        return wrapped
+
+    for owner, attr, fn in originals:
+        setattr(owner, attr, labelled(fn, f"lazyrag.{attr}"))
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    try:
+        with profile(activities=activities) as prof:
+            run()
+            sync()
+    finally:
+        for owner, attr, fn in originals:
+            setattr(owner, attr, fn)
+    out = Path(os.environ.get("OUT", "."), f"trace-index-{name}.json")
+    prof.export_chrome_trace(str(out))
+    with open(out, "rb") as src, gzip.open(f"{out}.gz", "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    out.unlink()
+    return trace_gaps.summarize(trace_gaps.load(Path(f"{out}.gz")))
+
+
 def disk_speed_mb_s(directory: Path, mb: int) -> tuple[float, float]:
     """The disk's sequential write speed over `mb` MB: one dd stream, and as many as index's writers."""
     return disk_write_mb_s(directory, mb), disk_write_mb_s(directory, mb, index.WRITER_THREADS)
@@ -145,9 +184,15 @@ def main() -> None:
     ap.add_argument("--chunk-tokens", type=int, default=IndexConfig.chunk_tokens)
     ap.add_argument("--batch-tokens", type=int, default=IndexConfig.batch_tokens)
     ap.add_argument("--writers", type=int, default=index.WRITER_THREADS, help="index's writer threads")
+    ap.add_argument("--piece-mb", type=int, default=file_writes.PIECE >> 20,
+                    help="bytes of each O_DIRECT write, in MiB (dd writes 16)")
     ap.add_argument("--dir", type=Path, default=None, help="where the store goes (default: a temp dir)")
+    ap.add_argument("--trace", action="store_true",
+                    help="after the timed runs, the bare forward and index again under torch.profiler: their "
+                         "traces in $OUT and, for each, the GPU's busy and idle time by host phase (trace_gaps)")
     args = ap.parse_args()
     index.WRITER_THREADS = args.writers
+    file_writes.PIECE = args.piece_mb << 20
 
     root = Path(args.dir or tempfile.mkdtemp(prefix="lazyrag-bench-index-"))
     root.mkdir(parents=True, exist_ok=True)
@@ -167,12 +212,15 @@ def main() -> None:
     sync()
     one_batch = [list(c.token_ids) for c in batches[1 % len(batches)]]
     syncs = synchronizing_calls(lambda: index.stored_rows(encoder.encode(one_batch), settings))
-    t = time.perf_counter()
-    for b in batches:
-        encoder.encode([list(c.token_ids) for c in b])
-    sync()
-    bare_s = time.perf_counter() - t
-    del encoder
+
+    def bare_forward() -> float:
+        t = time.perf_counter()
+        for b in batches:
+            encoder.encode([list(c.token_ids) for c in b])
+        sync()
+        return time.perf_counter() - t
+
+    bare_s = bare_forward()
 
     # dd writes what index will write: a short dd runs at a speed a long write does not keep
     row_bytes = settings.row_bytes
@@ -230,6 +278,11 @@ def main() -> None:
     ]
     width = max(len(k) for k, _ in rows)
     print("\n".join(f"{k:<{width}}  {v}" for k, v in rows))
+    if args.trace:
+        shutil.rmtree(cfg.store)  # the traced index writes as much again
+        for name, run in (("bare", bare_forward), ("index", lambda: build_index(cfg, progress=False, loaded=loaded))):
+            print(f"\n## {name}, under the profiler\n{traced(run, name)}")
+    del encoder
     if not args.dir:  # an 8B store is tens of GB
         shutil.rmtree(root, ignore_errors=True)
     if os.environ.get("OUT"):

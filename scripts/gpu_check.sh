@@ -8,7 +8,7 @@
 # registry can take the missing ones as wheels, see shared/tools/gpu-wheels.sh).
 # Usage:
 #   KERNEL_ARGS=--quick E2E_LIMIT=240 bash scripts/gpu_check.sh random:llama3.2-1b [bench_e2e args...]
-# INDEX_DTYPE picks the index benchmark's KV dtype (bf16 or fp8).
+# INDEX_DTYPE picks the index benchmark's KV dtype (bf16 or fp8); INDEX_ARGS adds options (--trace).
 # TESTS narrows the test run to some files (default: every test marked gpu).
 set -u
 export PYTHONUNBUFFERED=1
@@ -23,7 +23,7 @@ step gpu_tests "${TEST_LIMIT:-150}" python3 -m pytest -q -m gpu -p no:cacheprovi
 step bench_kernels "${KERNEL_LIMIT:-150}" python3 scripts/bench_kernels.py ${KERNEL_ARGS:---quick}
 step bench_e2e "${E2E_LIMIT:-240}" python3 scripts/bench_e2e.py --models "$models" "$@"
 step bench_index "${INDEX_LIMIT:-100}" python3 scripts/bench_index.py --model random:llama3-8b --kv-dtype "${INDEX_DTYPE:-bf16}" \
-  --docs 12 --doc-tokens 2048 --chunk-tokens 2048 --dir /tmp/bench-index
+  --docs 12 --doc-tokens 2048 --chunk-tokens 2048 --dir /tmp/bench-index ${INDEX_ARGS:-}
 rm -rf /tmp/bench-index  # an 8B store is tens of GB; the machine's disk holds a few
 step bench_store "${STORE_LIMIT:-120}" python3 scripts/bench_store.py --gib 4 --chunk-tokens 2048 --page 64 \
   --chunks-per-segment 4
