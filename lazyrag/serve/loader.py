@@ -208,14 +208,15 @@ def staging_shape(store: Store, staging_bytes: int = STAGING_BYTES) -> tuple[int
 
 
 def pin_staging_ahead(store: Store, device: torch.device, staging_bytes: int = STAGING_BYTES) -> None:
-    """On a GPU, start pinning the staging buffers a loader over ``store`` can use (its budget's
-    worth, at most one per stored chunk) on a thread of their own. `answer` and `bench` call this
-    before their model loads, so that a fresh process does not pin them under its first reads
-    (about 3 s for an 8B model's 4 GB on an H200 machine); pinned beside the engine's graph
-    capture instead, they slowed the capture by as much as they saved (scripts/bench_first_pass.py)."""
+    """On a GPU, start pinning the first staging buffers a loader over ``store`` uses on a thread of
+    their own: two per chunk read at once, within its budget and at most one per stored chunk (each
+    is a memfd, so not the whole budget of small chunks). `answer` and `bench` call this before
+    their model loads, so that a fresh process does not pin them under its first reads (about 3 s
+    for an 8B model's 4 GB on an H200 machine); pinned beside the engine's graph capture instead,
+    they slowed the capture by as much as they saved (scripts/bench_first_pass.py)."""
     nbytes, count = staging_shape(store, staging_bytes)
     if device.type == "cuda" and nbytes:
-        Staging.pin_ahead(nbytes, min(count, store.num_chunks), device)
+        Staging.pin_ahead(nbytes, min(count, store.num_chunks, 2 * chunk_read_threads()), device)
 
 
 def wait_staging_pinned() -> None:

@@ -105,20 +105,25 @@ def test_when_pinning_ahead_fails_readers_make_their_own_and_see_the_error():
         staging.writable(staging.take())
 
 
-def test_pin_staging_ahead_pins_the_loaders_buffers_on_a_gpu_only(tmp_path, tiny, monkeypatch):
+def test_pin_staging_ahead_pins_the_loaders_first_buffers_on_a_gpu_only(tmp_path, tiny, monkeypatch):
     store = make_store(tmp_path, "random:tiny", chunk_tokens=48, dtype="bf16")
     nbytes, count = staging_shape(store)
     assert nbytes == store.max_padded_length() * store.settings.row_bytes and count >= 2
     pin_staging_ahead(store, torch.device("cpu"))
     assert FakeBuffer.made == []  # nothing to pin without a GPU
+    monkeypatch.setattr(loader, "chunk_read_threads", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)  # no GPU here
     FakeBuffer.delay = 0.02
     pin_staging_ahead(store, torch.device("cuda"))
     wait_staging_pinned()
-    assert 2 <= store.num_chunks < count  # so the store's chunks, not the budget, set the number
-    assert ready(nbytes) == store.num_chunks and {b.nbytes for b in FakeBuffer.made} == {nbytes}
-    pin_staging_ahead(store, torch.device("cuda", 0), staging_bytes=nbytes * 2)  # the budget sets it
+    assert 2 < store.num_chunks < count and ready(nbytes) == 2  # two per chunk read at once
+    monkeypatch.setattr(loader, "chunk_read_threads", lambda: 100)
+    pin_staging_ahead(store, torch.device("cuda", 0))
     wait_staging_pinned()
-    assert len(FakeBuffer.made) == store.num_chunks  # two buffers, held already
+    assert ready(nbytes) == store.num_chunks  # one per stored chunk at most
+    pin_staging_ahead(store, torch.device("cuda", 0), staging_bytes=nbytes * 2)  # the budget: held already
+    wait_staging_pinned()
+    assert len(FakeBuffer.made) == store.num_chunks and {b.nbytes for b in FakeBuffer.made} == {nbytes}
 
 
 def test_answer_starts_pinning_before_its_model_loads(tmp_path, tiny, monkeypatch):
