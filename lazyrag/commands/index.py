@@ -98,13 +98,9 @@ def chunk_corpus(docs: Iterable[Document], tokenizer, settings: StoreSettings) -
     """Every document's stored chunks by id (a later document of the same id replaces an earlier one),
     tokenized TOKENIZED_AT_ONCE documents a call."""
     chunked: dict[str, list[NewChunk]] = {}
-    batch: list[Document] = []
-    for doc in itertools.chain(docs, [None]):
-        if doc is not None:
-            batch.append(doc)
-        if batch and (doc is None or len(batch) == TOKENIZED_AT_ONCE):
-            chunked.update((d.id, chunks) for d, chunks in zip(batch, stored_chunks(batch, tokenizer, settings)))
-            batch = []
+    docs = iter(docs)
+    while batch := list(itertools.islice(docs, TOKENIZED_AT_ONCE)):
+        chunked.update((d.id, chunks) for d, chunks in zip(batch, stored_chunks(batch, tokenizer, settings)))
     return chunked
 
 
