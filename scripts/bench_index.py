@@ -236,6 +236,7 @@ def main() -> None:
     index.encode_chunks = timed_encode
     timeline = Timeline()
     index.aligned_host_copy = timeline.wrap(index.aligned_host_copy, timeline.copies)
+    index.DeviceToHost.copy = timeline.wrap(index.DeviceToHost.copy, timeline.copies)
     Store.append = timeline.wrap(Store.append, timeline.writes)
     t = time.perf_counter()
     result = build_index(cfg, progress=False, loaded=loaded)

@@ -180,3 +180,27 @@ def test_batch_writer_hands_over_every_batch_while_touching_its_buffers(monkeypa
     assert seen.keys() == batches.keys()
     for name, kv in batches.items():
         np.testing.assert_array_equal(seen[name], kv.numpy())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_device_to_host_copies_every_byte_after_the_work_that_makes_them(dtype):
+    """Copies off the GPU through the two pinned buffers land whole and in place: many pieces, the last
+    one short, an input that is not contiguous, and values written by work still queued when the
+    copy was asked for."""
+    from lazyrag.commands import index
+    from lazyrag.store.file_writes import aligned_empty
+
+    off_gpu = index.DeviceToHost(torch.device("cuda"), piece=4096)
+    for shape in [(37, 5, 2, 3, 64), (1, 1, 1, 1, 8), (129, 3, 2, 1, 128)]:
+        a = torch.randn(shape[-1], 2048, device="cuda")
+        slow = (a.T @ a).sum()  # still running when the copy is queued
+        kv = (torch.randn(shape, device="cuda") + slow * 0).to(dtype).transpose(0, 1)  # not contiguous
+        ready = torch.cuda.Event()
+        ready.record()
+        buffer = aligned_empty(kv.nbytes + 4096)
+        host = off_gpu.copy(kv, buffer, ready)
+        assert host.shape == kv.shape and host.dtype == dtype
+        expected = kv.contiguous().cpu().view(torch.uint8)
+        assert torch.equal(host.view(torch.uint8), expected)
+        assert host.data_ptr() == buffer.ctypes.data  # in the buffer itself: the segment is written from it
