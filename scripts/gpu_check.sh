@@ -8,7 +8,8 @@
 # registry can take the missing ones as wheels, see shared/tools/gpu-wheels.sh).
 # Usage:
 #   KERNEL_ARGS=--quick E2E_LIMIT=240 bash scripts/gpu_check.sh random:llama3.2-1b [bench_e2e args...]
-# INDEX_DTYPE picks the index benchmark's KV dtype (bf16 or fp8); INDEX_ARGS adds options (--trace).
+# INDEX_DTYPE lists the index benchmark's runs by KV dtype ("fp8 fp8 fp8 bf16": four runs, default one bf16);
+# INDEX_ARGS adds options to each (--trace).
 # TESTS narrows the test run to some files (default: every test marked gpu).
 set -u
 export PYTHONUNBUFFERED=1
@@ -22,9 +23,13 @@ python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . > "$OUT
 step gpu_tests "${TEST_LIMIT:-150}" python3 -m pytest -q -m gpu -p no:cacheprovider ${TESTS:-}
 step bench_kernels "${KERNEL_LIMIT:-150}" python3 scripts/bench_kernels.py ${KERNEL_ARGS:---quick}
 step bench_e2e "${E2E_LIMIT:-240}" python3 scripts/bench_e2e.py --models "$models" "$@"
-step bench_index "${INDEX_LIMIT:-100}" python3 scripts/bench_index.py --model random:llama3-8b --kv-dtype "${INDEX_DTYPE:-bf16}" \
-  --docs 12 --doc-tokens 2048 --chunk-tokens 2048 --dir /tmp/bench-index ${INDEX_ARGS:-}
-rm -rf /tmp/bench-index  # an 8B store is tens of GB; the machine's disk holds a few
+run=0
+for dtype in ${INDEX_DTYPE:-bf16}; do
+  run=$((run + 1))
+  step "bench_index-$run-$dtype" "${INDEX_LIMIT:-100}" python3 scripts/bench_index.py --model random:llama3-8b \
+    --kv-dtype "$dtype" --docs 12 --doc-tokens 2048 --chunk-tokens 2048 --dir /tmp/bench-index ${INDEX_ARGS:-}
+  rm -rf /tmp/bench-index  # an 8B store is tens of GB; the machine's disk holds a few
+done
 step bench_store "${STORE_LIMIT:-120}" python3 scripts/bench_store.py --gib 4 --chunk-tokens 2048 --page 64 \
   --chunks-per-segment 4
 step bench_first_pass "${FIRST_LIMIT:-240}" python3 scripts/bench_first_pass.py --model random:llama3-8b \
