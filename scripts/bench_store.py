@@ -10,12 +10,20 @@ Builds a store of random KV with a real model's geometry, then compares in one r
   page cache  every chunk from the OS page cache, at each --threads count
   append      Store.append, the write path (one thread, from page-aligned memory as `index` writes)
 
+and, with --bounds, what bounds a read from the page cache, at each --threads count:
+
+  memcpy      host memory to host memory (numpy's copy on each thread): the memory system's rate
+  files       the segment files' bytes from the page cache in pieces, no store in between, with
+              and without each piece's crc32c: what the checksum costs
+  beside H2D  the same file reads while another thread copies pinned memory to the GPU without
+              pause, as a cold run's loads do (CUDA only), and the copies' own rate meanwhile
+
 Reads land in pinned host memory when CUDA is available (pageable otherwise), one buffer per
 chunk in flight; --chunk-readers chunks are read at once (default 1, so a row's threads are all
 the threads reading; the loader reads 4 at once), each split into pieces on the threads.
 Figures are GB/s (1e9 bytes).
 
-Usage: python scripts/bench_store.py [--gib 4] [--layers 32 --kv-heads 8 --head-dim 128] [--threads 1,4,8,16]
+Usage: python scripts/bench_store.py [--gib 4] [--layers 32 --kv-heads 8 --head-dim 128] [--threads 1,4,8,16] [--bounds]
 """
 
 from __future__ import annotations
@@ -29,10 +37,12 @@ import re
 import shutil
 import subprocess
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import crc32c
 import numpy as np
 import torch
 import zarr
@@ -71,6 +81,100 @@ def dd_gb_s(files: list[Path]) -> float:
     return total / seconds / 1e9 if seconds else float("nan")
 
 
+BOUNDS_BUFFER = 1 << 30  # where bound rows land: larger than any CPU cache, as a chunk's staging is
+
+
+def threaded_gb_s(threads: int, jobs: list, work) -> float:
+    """GB/s of ``work(job) -> bytes`` over every job on ``threads`` threads."""
+    with ThreadPoolExecutor(threads) as ex:
+        list(ex.map(work, jobs[: threads]))  # start the threads and warm their first pages untimed
+        t = time.perf_counter()
+        done = sum(ex.map(work, jobs))
+    return done / (time.perf_counter() - t) / 1e9
+
+
+def bounds(files: list[Path], threads: list[int], piece: int, pinned: bool) -> dict:
+    """Rates that bound a page-cache read (see the module's docstring), each at every thread count."""
+    fds = {f: os.open(f, os.O_RDONLY) for f in files}
+    pieces = [(f, off, min(piece, f.stat().st_size - off)) for f in files for off in range(0, f.stat().st_size, piece)]
+    jobs = list(enumerate(pieces))
+    slots = min(len(pieces), BOUNDS_BUFFER // piece)
+    dest = torch.empty(slots * piece, dtype=torch.uint8)
+    dest = dest.pin_memory() if pinned else dest
+    dest_np = dest.numpy()
+    dest_np[:] = 0  # every page present before anything is timed
+
+    def read(job, crc: bool) -> int:
+        i, (f, off, n) = job
+        view = memoryview(dest_np)[(i % slots) * piece:][:n]
+        got = os.preadv(fds[f], [view], off)
+        if crc:
+            crc32c.crc32c(view)
+        return got
+
+    source = np.ones(dest_np.size, dtype=np.uint8)
+    copies = [(i % slots) * piece for i in range(len(pieces))]
+
+    def memcpy(at: int) -> int:
+        np.copyto(dest_np[at: at + piece], source[at: at + piece])
+        return piece
+
+    out: dict = {}
+    for f in files:  # every file in the page cache
+        os.posix_fadvise(fds[f], 0, 0, os.POSIX_FADV_WILLNEED)
+    threaded_gb_s(max(threads), jobs, lambda j: read(j, False))
+    for n in threads:
+        out[f"memcpy_{n}"] = threaded_gb_s(n, copies, memcpy)
+        out[f"files_{n}"] = threaded_gb_s(n, jobs, lambda j: read(j, False))
+        out[f"files_crc_{n}"] = threaded_gb_s(n, jobs, lambda j: read(j, True))
+        if pinned:
+            out[f"files_crc_beside_h2d_{n}"], out[f"h2d_beside_{n}"] = beside_h2d(
+                lambda: threaded_gb_s(n, jobs, lambda j: read(j, True)))
+    if pinned:
+        out["h2d_alone"] = beside_h2d(lambda: time.sleep(1.0) or 0.0)[1]
+    for fd in fds.values():
+        os.close(fd)
+    return out
+
+
+def beside_h2d(measure) -> tuple[float, float]:
+    """``measure()`` while another thread copies 256 MiB of pinned memory to the GPU again and again;
+    its result and the copies' GB/s meanwhile."""
+    src = torch.empty(256 << 20, dtype=torch.uint8).pin_memory()
+    dst = torch.empty_like(src, device="cuda")
+    stream = torch.cuda.Stream()
+    stop = threading.Event()
+    copied = [0, 0.0]
+
+    def copy() -> None:
+        with torch.cuda.stream(stream):
+            t = time.perf_counter()
+            while not stop.is_set():
+                dst.copy_(src, non_blocking=True)
+                stream.synchronize()
+                copied[0] += src.numel()
+            copied[1] = time.perf_counter() - t
+
+    th = threading.Thread(target=copy)
+    th.start()
+    time.sleep(0.2)  # the copies under way first
+    result = measure()
+    stop.set()
+    th.join()
+    return result, copied[0] / copied[1] / 1e9
+
+
+def print_bounds(b: dict, threads: list[int]) -> None:
+    rows = [("memcpy", "memcpy"), ("page cache, no crc32c", "files"), ("page cache, crc32c", "files_crc"),
+            ("page cache, crc32c, beside H2D", "files_crc_beside_h2d"), ("H2D beside those reads", "h2d_beside")]
+    print(f"{'GB/s':32s}" + "".join(f"{n:>8d}" for n in threads))
+    for label, key in rows:
+        if f"{key}_{threads[0]}" in b:
+            print(f"{label:32s}" + "".join(f"{b[f'{key}_{n}']:8.2f}" for n in threads))
+    if "h2d_alone" in b:
+        print(f"{'H2D alone':32s}{b['h2d_alone']:8.2f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dir", default=None, help="where to build the store (default: a temp dir under the cwd)")
@@ -87,6 +191,8 @@ def main() -> None:
     ap.add_argument("--piece-mib", type=float, default=PIECE_BYTES / 2**20, help="the largest piece")
     ap.add_argument("--chunk-readers", type=int, default=1,
                     help="chunks read at once (1: each row's threads are all the threads reading)")
+    ap.add_argument("--bounds", action="store_true",
+                    help="also measure memcpy, raw file reads with and without crc32c, and reads beside H2D copies")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
@@ -182,13 +288,19 @@ def main() -> None:
         arr[c.offset : c.offset + c.padded_length]
     results["zarr_cold_GBps"] = total / (time.perf_counter() - t) / 1e9
 
+    if args.bounds:
+        results["bounds"] = bounds(segment_files(path), args.threads, piece_bytes, pinned)
+
     best_cold = max(results[f"cold_{n}threads_GBps"] for n in args.threads)
     results["best_cold_vs_dd"] = best_cold / results["dd_cold_GBps"]
     if args.json:
         print(json.dumps(results, indent=2))
     else:
         for k, v in results.items():
-            print(f"{k:32s} {v:.2f}" if isinstance(v, float) else f"{k:32s} {v}")
+            if k == "bounds":
+                print_bounds(v, args.threads)
+            else:
+                print(f"{k:32s} {v:.2f}" if isinstance(v, float) else f"{k:32s} {v}")
     if not args.dir:
         shutil.rmtree(base)
 
