@@ -72,7 +72,7 @@ class AnswerConfig:
     temperature: float = 0.0      # 0 = greedy
     top_p: float = 1.0
     seed: int = 0
-    prefetch: int = 64            # queries to look ahead when prefetching chunks
+    prefetch: int | None = None   # queries whose chunks are read ahead (None: the scheduler's default)
     cuda_graphs: bool = True      # replay decode steps from CUDA graphs (GPU only)
     shared_attention: bool = True  # lazy: read each chunk page once per step for every request using it (chunk-major)
     trust_remote_code: bool = False

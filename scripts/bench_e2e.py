@@ -107,13 +107,13 @@ def run(engine_args: dict, loaded, store, mode: str, prompts, questions, cache_g
                 for i, g in enumerate(given)]
 
     if warm:
-        engine.run(requests(0.0), lambda r: None, lookahead=64)
+        engine.run(requests(0.0), lambda r: None)
         engine.cache.reset_counters()
         engine.steps = StepCounts()
     sync()
     with timed():
         t0 = time.perf_counter()
-        engine.run(requests(t0), done.append, lookahead=64)
+        engine.run(requests(t0), done.append)
         sync()
         seconds = time.perf_counter() - t0
     c, steps = engine.cache.counters, engine.steps

@@ -93,7 +93,7 @@ class Engine:
         if cuda_graphs and self.device.type == "cuda":
             self.runner.capture_graphs(batch_size, pad_page=self.cache.alloc(1)[0])
 
-    def run(self, requests: Iterable[Request | None], on_finish: Callable[[Sequence], None], lookahead: int = 64,
+    def run(self, requests: Iterable[Request | None], on_finish: Callable[[Sequence], None], lookahead: int | None = None,
             on_error: OnError | None = None) -> None:
         """Answer every request. `requests` may be an open stream, yielding None while none has
         arrived yet; the engine then runs what it has and asks again (lazyrag/serve/scheduler.py).

@@ -10,7 +10,7 @@ from serve_fakes import PAGE_SIZE, PREAMBLE, chunk, make_cache, sequence
 
 from lazyrag.serve.modes import Lazy
 from lazyrag.serve.paged import OutOfPages
-from lazyrag.serve.scheduler import OPEN_STREAM_POLL_S, Scheduler
+from lazyrag.serve.scheduler import LOOKAHEAD, OPEN_STREAM_POLL_S, Scheduler
 
 A, B, C = chunk("a", 8), chunk("b", 8), chunk("c", 8)  # 2 pages each
 QUESTION = [7, 8]  # with 2 answer tokens: 1 own page
@@ -116,6 +116,21 @@ def test_the_chunks_of_the_next_requests_are_prefetched():
     sched, _, loader = setup(32, seqs, batch_size=1, lookahead=2)
     sched.schedule()  # looks at 1 and 2 (lookahead), admits 1
     assert loader.prefetched == ["a", "b", "c"]
+
+
+def test_by_default_the_chunks_of_a_whole_batch_after_the_running_one_are_read_ahead():
+    batch = LOOKAHEAD + 36  # larger than the floor: the batch size sets the look-ahead
+    seqs = [sequence(str(i), [chunk(f"c{i}", 4)], QUESTION, 2) for i in range(2 * batch + 50)]
+    cache, loader = make_cache(2 * batch + 8)
+    mode = Lazy(PREAMBLE, PAGE_SIZE, lambda copies: None)
+    mode.place_preamble(cache)
+    sched = Scheduler(mode, cache, batch, seqs)
+    while len(sched.running) < batch:
+        assert sched.schedule().prefill
+    loader.prefetched = []
+    step = sched.schedule()
+    assert not step.prefill
+    assert loader.prefetched == [f"c{i}" for i in range(batch, 2 * batch)]
 
 
 def test_the_batch_size_must_be_positive():
