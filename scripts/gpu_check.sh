@@ -30,7 +30,7 @@ for dtype in ${INDEX_DTYPE:-bf16}; do
     --kv-dtype "$dtype" --docs 12 --doc-tokens 2048 --chunk-tokens 2048 --dir /tmp/bench-index ${INDEX_ARGS:-}
   rm -rf /tmp/bench-index  # an 8B store is tens of GB; the machine's disk holds a few
 done
-step bench_store "${STORE_LIMIT:-120}" python3 scripts/bench_store.py --gib 4 --chunk-tokens 2048 --page 64 \
+step bench_store "${STORE_LIMIT:-180}" python3 scripts/bench_store.py --gib 4 --chunk-tokens 2048 --page 64 \
   --chunks-per-segment 4 --bounds
 step bench_first_pass "${FIRST_LIMIT:-240}" python3 scripts/bench_first_pass.py --model random:llama3-8b \
   --requests 200 --repeats 2 --under-reads-too
