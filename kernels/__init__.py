@@ -5,7 +5,8 @@ rotate the query by each page's delta inside the kernel, so one stored copy of a
 every request at every offset (optionally with APE's temperature and scale on a range of each
 request's entries); ``shared_prefill`` and ``shared_decode`` do the same chunk-major, reading
 each chunk page once per step for every request using it (``group_shared``, ``plan_shared``);
-``rotate_copy`` re-rotates pages for the block baseline. Pages are fp16, bf16,
+``rotate_copy`` re-rotates pages for the block baseline; ``bit_rows`` applies a GF(2) matrix to
+64-byte rows (the device's crc32c of a chunk). Pages are fp16, bf16,
 fp32, or float8 e4m3 with a scale per (token, KV head) (``quantize_fp8``). CUDA
 tensors run the Triton kernels, CPU tensors the PyTorch ``reference`` (or, inside
 ``cpu_backend("triton")``, the Triton interpreter). docs/kernels.md is the contract: positions,
@@ -28,7 +29,7 @@ from .shared_plan import PlanLayout, SharedPlan, check_plan, empty_plan, plan_sh
 __all__ = ["PageTable", "lazy_prefill", "lazy_decode", "rotate_copy", "reference", "rope", "backend",
            "cpu_backend", "ape_enabled", "check_ape", "FP8", "quantize_fp8", "dequantize_fp8", "fp8_supported",
            "SharedPages", "group_shared", "SharedPlan", "PlanLayout", "plan_shared", "empty_plan", "shared_prefill",
-           "shared_decode"]
+           "shared_decode", "bit_rows"]
 
 
 def _check_prefill_layout(q: Tensor, pages: PageTable, cu_seqlens_q: Tensor, q_pos: Tensor) -> None:
@@ -106,3 +107,20 @@ def rotate_copy(k_pages: Tensor, v_pages: Tensor, src: Tensor, dst: Tensor, delt
     check_rotate_copy(k_pages, v_pages, src, dst, delta, inv_freq, dk, dv, k_scale, v_scale, dks, dvs)
     return implementation(k_pages).rotate_copy(k_pages, v_pages, src, dst, delta, inv_freq, dst_k=dk, dst_v=dv,
                                                k_scale=k_scale, v_scale=v_scale, dst_k_scale=dks, dst_v_scale=dvs)
+
+
+def bit_rows(data: Tensor, pad: int, matrix: Tensor, xor: int = 0) -> Tensor:
+    """``data`` (a contiguous uint8 vector) after ``pad`` zero bytes (0 <= pad < 64), and zeros
+    after it to a whole row, as rows of 64 bytes; each row's 512 bits (bit b of byte j is bit
+    8 * j + b) times ``matrix`` ([512, 32], 0/1 in fp16, on the same device) over GF(2). An int32
+    per row: its bit c the parity of the row's bits that column c selects, XORed with ``xor``
+    (32 bits)."""
+    if data.dtype != torch.uint8 or data.dim() != 1 or not data.is_contiguous():
+        raise ValueError(f"data must be a contiguous uint8 vector, got {data.dtype} of shape {tuple(data.shape)}")
+    if tuple(matrix.shape) != (512, 32) or matrix.dtype != torch.float16 or not matrix.is_contiguous():
+        raise ValueError(f"matrix must be a contiguous [512, 32] fp16 tensor, got {matrix.dtype} {tuple(matrix.shape)}")
+    if matrix.device != data.device:
+        raise ValueError(f"matrix is on {matrix.device}, data on {data.device}")
+    if not 0 <= pad < 64:
+        raise ValueError(f"pad must be 0..63 bytes, got {pad}")
+    return implementation(data).bit_rows(data, pad, matrix, xor)

@@ -196,3 +196,19 @@ def shared_decode(q: Tensor, k_pages: Tensor, v_pages: Tensor, pages: PageTable,
                   k_scale: Tensor | None = None, v_scale: Tensor | None = None, **_unused) -> Tensor:
     return lazy_decode(q, k_pages, v_pages, full_table(pages, plan), q_pos, inv_freq, sm_scale, True, ape_temperature,
                        ape_scale, k_scale, v_scale)
+
+
+def bit_rows(data: Tensor, pad: int, matrix: Tensor, xor: int = 0) -> Tensor:
+    """Each 64-byte row's bits times a 0/1 matrix, mod 2 (see kernels.bit_rows)."""
+    rows = -(-(pad + data.numel()) // 64)
+    padded = torch.zeros(rows * 64, dtype=torch.uint8, device=data.device)
+    padded[pad: pad + data.numel()] = data
+    shifts = torch.arange(8, device=data.device)
+    powers = torch.ones(32, dtype=torch.int64, device=data.device) << torch.arange(32, device=data.device)
+    words = []
+    for block in padded.view(rows, 64).split(1 << 14):  # about 64 MB of fp32 bits at a time
+        bits = ((block[:, :, None] >> shifts) & 1).reshape(len(block), 512).float()
+        parity = (bits @ matrix.float()).long() & 1  # sums of at most 512 ones: exact in fp32
+        words.append((parity * powers).sum(1) ^ (xor & 0xFFFFFFFF))
+    out = torch.cat(words) if words else torch.zeros(0, dtype=torch.int64, device=data.device)
+    return torch.where(out >= 1 << 31, out - (1 << 32), out).to(torch.int32)

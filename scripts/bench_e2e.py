@@ -189,6 +189,7 @@ class Sweep:
     disk: bool = False        # cold, the store's files first dropped from the OS page cache
     prefill_graphs: bool = True  # prefill steps' layers replayed from CUDA graphs (False: op by op)
     read_threads: int = 0     # chunk reads at once (0: the loader's default)
+    host_checksums: bool = False  # reads' crc32c checked in the reader process, not on the GPU
 
 
 def batch_sweep(kw: dict, loaded, store, prompts, questions, cache_gb: float, args, model: str, save, out,
@@ -205,6 +206,8 @@ def batch_sweep(kw: dict, loaded, store, prompts, questions, cache_gb: float, ar
         configs += [Sweep("lazy", requests=n)] + ([] if args.skip_full else [Sweep("full", requests=n)])
         # the same run at each other count of chunk reads at once
         configs += [Sweep("lazy", requests=n, read_threads=t) for t in args.read_threads[1:]]
+        if args.host_checksums_too:  # the same run with the reads checked on the host
+            configs.append(Sweep("lazy", requests=n, host_checksums=True))
         if args.eager_prefill_too:  # the same run with prefill steps launched op by op
             configs.append(Sweep("lazy", requests=n, prefill_graphs=False))
         if args.per_request_too:  # lazy with each request reading its own pages: what chunk-major buys
@@ -221,9 +224,11 @@ def batch_sweep(kw: dict, loaded, store, prompts, questions, cache_gb: float, ar
             configs += [Sweep("lazy", workload="uniform", requests=n)]
             configs += [Sweep("lazy", f, reuse=r, order=o, workload="uniform", requests=n)
                         for f in args.recompute if f for r, o in ((True, "given"), (True, "popular"), (False, "given"))]
-    cold = [c for c in configs if c.mode == "lazy" and c.workload == "zipf" and c.prefill_graphs and not c.read_threads]
+    cold = [c for c in configs if c.mode == "lazy" and c.workload == "zipf" and c.prefill_graphs and not c.read_threads
+            and not c.host_checksums]
     if args.warm:  # each lazy and block run again, on a cache warmed by one untimed pass
-        configs += [dataclasses.replace(c, warm=True) for c in configs if c.mode != "full" and not c.read_threads]
+        configs += [dataclasses.replace(c, warm=True) for c in configs
+                    if c.mode != "full" and not c.read_threads and not c.host_checksums]
     if args.from_disk:  # last: a run from disk leaves in the page cache only what it read
         configs += [dataclasses.replace(c, disk=True) for c in cold]
     rows = []
@@ -237,7 +242,8 @@ def batch_sweep(kw: dict, loaded, store, prompts, questions, cache_gb: float, ar
             try:
                 if c.disk:
                     evict(store.path)
-                with setting("lazyrag.serve.runner", "PREFILL_GRAPH_TOKENS", None if c.prefill_graphs else 0):
+                with setting("lazyrag.serve.runner", "PREFILL_GRAPH_TOKENS", None if c.prefill_graphs else 0), \
+                        loader_defaults(**({"check_on_device": False} if c.host_checksums else {})):
                     r = run(engine_args, loaded, store, c.mode, source[:n], questions[:n], cache_gb, bs,
                             warm=c.warm, order=c.order)
                 if c.disk:
@@ -250,6 +256,8 @@ def batch_sweep(kw: dict, loaded, store, prompts, questions, cache_gb: float, ar
                 r["mode"] = "lazy, prefill op by op"
             if c.read_threads:
                 r["mode"] = f"lazy, {c.read_threads} chunk reads at once"
+            if c.host_checksums:
+                r["mode"] = "lazy, crc32c on the host"
             r.update(recompute=c.fraction, policy=args.recompute_policy, page_size=args.page_size, reuse=c.reuse,
                      order=c.order, workload=c.workload, sweep_requests=c.requests, disk=c.disk)
             r.update(recompute_floor(loaded, r, store))
@@ -432,15 +440,20 @@ def wrapped_phases(wrap):
 
 
 @contextlib.contextmanager
-def staging(gb: float | None):
-    """The engines made meanwhile read ahead up to `gb` GB not yet loaded (the loader's staging
-    buffers; None: its default)."""
+def loader_defaults(**values):
+    """The engines made meanwhile build their ChunkLoader with these keyword defaults instead
+    (staging_bytes: bytes read ahead not yet loaded; check_on_device: False checks reads' crc32c
+    in the reader process, as on a CPU)."""
     from lazyrag.serve import loader
 
     init = loader.ChunkLoader.__init__
+    names = init.__code__.co_varnames[1: init.__code__.co_argcount]
     defaults = init.__defaults__
-    if gb:
-        init.__defaults__ = (*defaults[:-1], int(gb * 2**30))
+    first = len(names) - len(defaults)
+    patched = list(defaults)
+    for name, value in values.items():
+        patched[names.index(name) - first] = value
+    init.__defaults__ = tuple(patched)
     try:
         yield
     finally:
@@ -612,12 +625,14 @@ def bench_model(model: str, args, root: Path, save) -> dict:
                                                                        questions, cache, args.batch_size, warm)
             save(out)
         # cold again at each further count of chunk reads at once, and each further staging size
-        variants = [(f"cold, {t} chunk reads at once", t, None) for t in args.read_threads[1:]]
-        variants += [(f"cold, {gb:g} GB of staging", None, gb) for gb in args.staging_gb]
-        for name, threads, gb in variants:
+        variants = [(f"cold, {t} chunk reads at once", t, {}) for t in args.read_threads[1:]]
+        variants += [(f"cold, {gb:g} GB of staging", None, {"staging_bytes": int(gb * 2**30)}) for gb in args.staging_gb]
+        if args.host_checksums_too:
+            variants.append(("cold, crc32c on the host", None, {"check_on_device": False}))
+        for name, threads, loader_kw in variants:
             use_read_threads(threads or (args.read_threads[0] if args.read_threads else None))
-            with staging(gb):
-                if gb:  # once untimed first: the new staging buffers are pinned as a run first writes them
+            with loader_defaults(**loader_kw):
+                if "staging_bytes" in loader_kw:  # once untimed first: new staging buffers are pinned as first written
                     run(kw, loaded, store, "lazy", zipf[:args.step_log], questions, cache, args.batch_size)
                 out["step_log"][name] = step_log_run(kw, loaded, store, zipf[:args.step_log], questions, cache,
                                                      args.batch_size, False)
@@ -865,6 +880,9 @@ def main() -> None:
     ap.add_argument("--staging-gb", type=lambda s: [float(x) for x in s.split(",") if x], default=[],
                     help="with --step-log, a cold run again with the loader reading ahead up to each of these "
                          "many GB not yet loaded (its staging buffers; default 4)")
+    ap.add_argument("--host-checksums-too", action="store_true",
+                    help="also run each cold lazy Zipf count of the batch sweep (and, with --step-log, a cold "
+                         "run) with the chunks' crc32c checked in the reader process instead of on the GPU")
     ap.add_argument("--trace", action="store_true",
                     help="with --profile, also write each profiled run's trace (cold and warm) to "
                          "$OUT/trace-<run>.json.gz (Chrome trace format), the engine's host phases labelled")

@@ -17,6 +17,8 @@ and, with --bounds, what bounds a read from the page cache, at each --threads co
               and without each piece's crc32c: what the checksum costs
   beside H2D  the same file reads while another thread copies pinned memory to the GPU without
               pause, as a cold run's loads do (CUDA only), and the copies' own rate meanwhile
+  GPU crc32c  the loader's check on the GPU (device_crc32c) over an 8B chunk's 264 MiB, beside a
+              device-to-device copy of the same bytes (HBM: bytes read and written)
 
 Reads land in pinned host memory when CUDA is available (pageable otherwise), one buffer per
 chunk in flight; --chunk-readers chunks are read at once (default 1, so a row's threads are all
@@ -132,6 +134,7 @@ def bounds(files: list[Path], threads: list[int], piece: int, pinned: bool) -> d
                 lambda: threaded_gb_s(n, jobs, lambda j: read(j, True)))
     if pinned:
         out["h2d_alone"] = beside_h2d(lambda: time.sleep(1.0) or 0.0)[1]
+        out["gpu_crc32c"], out["gpu_copy_hbm"] = gpu_check_gb_s()
     for fd in fds.values():
         os.close(fd)
     return out
@@ -164,6 +167,29 @@ def beside_h2d(measure) -> tuple[float, float]:
     return result, copied[0] / copied[1] / 1e9
 
 
+def gpu_check_gb_s(nbytes: int = 264 << 20, reps: int = 10) -> tuple[float, float]:
+    """GB/s of device_crc32c over ``nbytes``, and of a device copy of them counted as bytes read
+    plus written (what HBM moves), timed with CUDA events after a warm-up."""
+    from lazyrag.serve.device_checksums import device_crc32c
+
+    data = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device="cuda")
+    copy = torch.empty_like(data)
+
+    def timed(fn) -> float:
+        fn()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3 / reps
+
+    crc_s = timed(lambda: device_crc32c(data))
+    copy_s = timed(lambda: copy.copy_(data))
+    return nbytes / crc_s / 1e9, 2 * nbytes / copy_s / 1e9
+
+
 def print_bounds(b: dict, threads: list[int]) -> None:
     rows = [("memcpy", "memcpy"), ("page cache, no crc32c", "files"), ("page cache, crc32c", "files_crc"),
             ("page cache, crc32c, beside H2D", "files_crc_beside_h2d"), ("H2D beside those reads", "h2d_beside")]
@@ -173,6 +199,9 @@ def print_bounds(b: dict, threads: list[int]) -> None:
             print(f"{label:32s}" + "".join(f"{b[f'{key}_{n}']:8.2f}" for n in threads))
     if "h2d_alone" in b:
         print(f"{'H2D alone':32s}{b['h2d_alone']:8.2f}")
+    if "gpu_crc32c" in b:
+        print(f"{'crc32c on the GPU':32s}{b['gpu_crc32c']:8.2f}")
+        print(f"{'GPU copy (HBM read + write)':32s}{b['gpu_copy_hbm']:8.2f}")
 
 
 def main() -> None:

@@ -22,7 +22,7 @@ from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource
 
-from lazyrag.kernels import decode, prefill
+from lazyrag.kernels import bit_matrix, decode, prefill
 from lazyrag.kernels.tuning import Launch
 
 POINTERS = {**{n: "*bf16" for n in ("Q", "K", "V", "O")},
@@ -57,6 +57,11 @@ def resources(launch: Launch, arch: int, tma_block=None) -> dict:
                or (n in ints and n not in keep and ints[n] % 16 == 0)]
     src = ASTSource(fn=kernel, signature=sig, constexprs={(names.index(n),): v for n, v in constexprs.items()},
                     attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
+    return report(src, options, arch)
+
+
+def report(src: ASTSource, options: dict, arch: int) -> dict:
+    """Compile ``src`` for sm_<arch>a and read ptxas's report."""
     compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
     with tempfile.TemporaryDirectory() as tmp:
         ptx = Path(tmp) / "k.ptx"
@@ -76,7 +81,19 @@ def resources(launch: Launch, arch: int, tma_block=None) -> dict:
             "spill_loads": int(spills.group(2)) if spills else 0,
             "shared": compiled.metadata.shared,
             "async_tiles": async_tiles,
-            "programs_per_sm": programs_per_sm(n_regs, compiled.metadata.shared, options["num_warps"])}
+            "programs_per_sm": programs_per_sm(n_regs, compiled.metadata.shared, options.get("num_warps", 4))}
+
+
+def bit_rows_resources(arch: int) -> dict:
+    """bit_rows (the GPU's crc32c) at the launcher's defaults."""
+    kernel = bit_matrix._bit_rows_kernel
+    names = kernel.arg_names
+    constexprs = dict(BLOCK_M=64, STEP=16, ROW=bit_matrix.ROW_BYTES, BITS=bit_matrix.BITS)
+    sig = {"DATA": "*u8", "MAT": "*fp16", "OUT": "*i32", **{n: "i32" for n in ("n", "pad", "rows", "xor")},
+           **{n: "constexpr" for n in constexprs}}
+    src = ASTSource(fn=kernel, signature=sig, constexprs={(names.index(n),): v for n, v in constexprs.items()},
+                    attrs={(names.index(n),): [["tt.divisibility", 16]] for n in ("DATA", "MAT", "OUT")})
+    return report(src, {}, arch)
 
 
 def programs_per_sm(regs: int, shared: int, num_warps: int) -> int:
@@ -114,6 +131,7 @@ def main() -> None:
                 launch = decode.launch_config(*shape, rotate=rotate, tma=tma, capability=capability)
                 r = resources(launch, args.arch, (64, D) if tma else None)
                 rows.append(("decode", D, rotate, f"{'' if tma else 'default: '}{label(launch, 'BLOCK_H')}", r))
+    rows.append(("bit_rows", "-", "-", "64 rows of 64 bytes, 4 warps", bit_rows_resources(args.arch)))
     print(f"sm_{args.arch}a, triton {triton.__version__}, bf16, page size 64\n")
     print("| kernel | head dim | rotate | config | registers | spill stores / loads (bytes) | shared (bytes) | "
           "programs/SM | async tile loads |")

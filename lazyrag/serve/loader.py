@@ -7,10 +7,14 @@ is read while the GPU works. At most half the cores' worth of chunks are read at
 (`chunk_read_threads`), each by the reader process (lazyrag/store/read_process.py) in pieces,
 which writes the staging buffers it shares with this one: on an H200 machine (16 cores) 8
 reader threads in the serving process slowed the step loop's launches 1.5x, the same reads in
-another process not at all (scripts/bench_read_contention.py). Host to GPU copies go on their
-own CUDA stream and wait for nothing on the compute stream: the pages they fill are free, so
-no kernel in flight reads them (the engine drains the GPU before it frees pages a failed step
-may still touch). Compute waits only for the copy of a chunk it is about to read (`after_copy`).
+another process not at all (scripts/bench_read_contention.py). On a GPU a read ends on the GPU:
+its reader thread copies the bytes there on a stream of its own and checks their crc32c there
+(lazyrag/serve/device_checksums.py), which leaves the reader process's cores a copy out of the
+page cache per byte and no checksum pass; a corrupt chunk fails its read as on the host. Loading
+it then copies it into its pages on the loader's copy stream, which waits for nothing on the
+compute stream: the pages it fills are free, so no kernel in flight reads them (the engine drains
+the GPU before it frees pages a failed step may still touch). Compute waits only for the copy of
+a chunk it is about to read (`after_copy`).
 An optional host-memory tier keeps recently read chunks, so a chunk evicted from the pool comes
 back without the disk: it keeps the staging buffer the chunk was read into and gives staging
 one back when it evicts, so the host copies nothing. What to load and when is the chunk
@@ -20,16 +24,21 @@ load cost.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
+import weakref
 from collections import OrderedDict, deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import crc32c
 import torch
 
+from lazyrag.serve.device_checksums import device_crc32c
+from lazyrag.serve.memory import available_bytes
 from lazyrag.serve.paged import PagePool
 from lazyrag.store import ChunkInfo, Store, rows_dtype
 from lazyrag.store.read_process import SharedBuffer, shared_read_process
@@ -234,6 +243,7 @@ class _Read:
     nbytes: int
     buf: SharedBuffer | None = None  # the staging buffer, once the reader has it
     future: Future | None = None
+    on_device: torch.Tensor | None = None  # its bytes on the pool's device, checked there
 
 
 def chunk_read_threads() -> int:
@@ -247,11 +257,21 @@ class ChunkLoader:
 
     read_threads: chunk reads at once (default: chunk_read_threads());
     staging_bytes: the most bytes read ahead and not yet loaded (the staging buffers, one per
-    chunk, made when first used)."""
+    chunk, made when first used; on a GPU each such read also holds its copy there, within a
+    quarter of the memory free when the loader is made: past it, reads are checked on the host);
+    check_on_device: check a staged read's crc32c on the pool's device (default: on a GPU), not in
+    the reader process."""
 
     def __init__(self, store: Store, pool: PagePool, host_cache_bytes: float = 0, read_threads: int | None = None,
-                 staging_bytes: int = STAGING_BYTES):
+                 staging_bytes: int = STAGING_BYTES, check_on_device: bool | None = None):
         self.store, self.pool = store, pool
+        self.check_on_device = pool.kv.is_cuda if check_on_device is None else check_on_device
+        self._thread = threading.local()  # a reader thread's CUDA stream
+        # the bytes reads' copies may hold on the device, so that they never take the steps' working memory
+        room = available_bytes(pool.kv.device) if pool.kv.is_cuda else None
+        self.device_room = min(staging_bytes, room // 4) if room is not None else staging_bytes
+        self._device_held = 0
+        self._device_lock = threading.Lock()
         self.host = _HostTier(int(host_cache_bytes))
         threads = read_threads or chunk_read_threads()
         # these threads only wait: the reads themselves run in the reader process
@@ -303,9 +323,9 @@ class ChunkLoader:
             kept.copied = report.copied = self._to_pool(kept.kv, pages)
             host = kept.kv
         else:
-            host, buf = self._wait_read(info, report)
-            report.copied = self._to_pool(host, pages)
-            self._keep(info.chunk_id, host, buf, report.copied)
+            host, read = self._wait_read(info, report)
+            report.copied = self._to_pool(read.on_device if read.on_device is not None else host, pages)
+            self._keep(info.chunk_id, host, read.buf, report.copied)
         report.bytes_to_gpu = host.numel() * host.element_size()
         self._start_wanted()  # a buffer may have come back
         return report
@@ -318,13 +338,16 @@ class ChunkLoader:
         if copied is not None:
             copied.synchronize()
 
-    def _to_pool(self, host: torch.Tensor, pages: list[int]) -> torch.cuda.Event | None:
-        """Copy into the pool on the copy stream; the copy's event."""
+    def _to_pool(self, kv: torch.Tensor, pages: list[int]) -> torch.cuda.Event | None:
+        """Copy into the pool (from the host, or from a copy on the device) on the copy stream; the
+        copy's event."""
         if self.stream is None:
-            self.pool.write_tokens(pages, host)
+            self.pool.write_tokens(pages, kv)
             return None
+        if kv.is_cuda:
+            kv.record_stream(self.stream)  # made on a reader thread's stream, freed after this copy has run
         with torch.cuda.stream(self.stream):
-            self.pool.write_tokens(pages, host)
+            self.pool.write_tokens(pages, kv)
         copied = torch.cuda.Event()
         copied.record(self.stream)
         return copied
@@ -353,11 +376,73 @@ class ChunkLoader:
         if read.slot is None:  # no staging buffer (none free, or none fits): read here, into pageable memory
             return self.store.read_kv(read.info, out=torch.empty(shape, dtype=dtype), whole=True)
         buf = read.buf = self.staging.writable(read.slot)
-        return self.store.read_kv(read.info, out=buf.tensor[: read.nbytes].view(dtype).view(shape), whole=True,
-                                  into_out=lambda file, offset, nbytes: self.process.read(buf, 0, file, offset, nbytes))
+        on_device = self.check_on_device and read.info.checksum is not None
+        host = self.store.read_kv(
+            read.info, out=buf.tensor[: read.nbytes].view(dtype).view(shape), whole=True, verify=not on_device,
+            into_out=lambda file, offset, nbytes: self.process.read(buf, 0, file, offset, nbytes, checksum=not on_device))
+        if on_device:
+            read.on_device = self._checked_on_device(read.info, host)
+        return host
 
-    def _wait_read(self, info: ChunkInfo, report: LoadReport) -> tuple[torch.Tensor, SharedBuffer | None]:
-        """The chunk's KV read from the store (by the look-ahead, or now), and its staging buffer."""
+    def _checked_on_device(self, info: ChunkInfo, host: torch.Tensor) -> torch.Tensor | None:
+        """The chunk's bytes copied to the pool's device, their crc32c checked there (ChunkReadError
+        when it is not the catalog's); None when the device has no room for the copy (past
+        ``device_room``, or out of memory): then they are checked here, and loaded from the host.
+        A reader thread calls this."""
+        raw = host.view(-1).view(torch.uint8)
+        on_device = crc = None
+        held = self._hold_device(raw.numel())
+        if held:
+            with self._own_stream(self.pool.kv.device) as stream:
+                try:
+                    on_device = raw.to(self.pool.kv.device, non_blocking=True)
+                    crc = device_crc32c(on_device).to("cpu", non_blocking=True)
+                except torch.OutOfMemoryError:
+                    on_device = crc = None
+                if stream is not None:
+                    stream.synchronize()  # whatever was queued has run: the staging buffer may be written again
+        if crc is None:  # no room on the device
+            if held:
+                self._release_device(raw.numel())
+            self.store.check_crc(info, crc32c.crc32c(raw.numpy()))
+            return None
+        got = int(crc) & 0xFFFFFFFF
+        if got != info.checksum:
+            del on_device  # the error's traceback must not keep the copy alive
+            self._release_device(raw.numel())
+            self.store.check_crc(info, got)  # raises
+        kv = on_device.view(host.dtype).view(host.shape)
+        weakref.finalize(kv, self._release_device, raw.numel())  # once loaded, or dropped unloaded
+        return kv
+
+    def _hold_device(self, nbytes: int) -> bool:
+        """Count ``nbytes`` of a read's copy on the device, if they fit its room."""
+        with self._device_lock:
+            if self._device_held + nbytes > self.device_room:
+                return False
+            self._device_held += nbytes
+            return True
+
+    def _release_device(self, nbytes: int) -> None:
+        with self._device_lock:
+            self._device_held -= nbytes
+
+    @contextlib.contextmanager
+    def _own_stream(self, device: torch.device):
+        """On a GPU, the calling thread's own stream made current (its copies and checks queue
+        behind no other thread's) and yielded; elsewhere None."""
+        if device.type != "cuda":
+            yield None
+            return
+        stream = getattr(self._thread, "stream", None)
+        if stream is None:
+            stream = self._thread.stream = torch.cuda.Stream(device)
+        with torch.cuda.stream(stream):
+            yield stream
+
+    def _wait_read(self, info: ChunkInfo, report: LoadReport) -> tuple[torch.Tensor, _Read]:
+        """The chunk's KV read from the store (by the look-ahead, or now), and its read (staging
+        buffer, copy on the device)."""
         cid = info.chunk_id
         self.wanted = [w for w in self.wanted if w.chunk_id != cid]
         read = self.pending.pop(cid, None)
@@ -376,7 +461,7 @@ class ChunkLoader:
             raise
         report.read_wait_s = time.perf_counter() - t
         report.bytes_read = host.numel() * host.element_size()
-        return host, read.buf
+        return host, read
 
     def _keep(self, chunk_id: str, host: torch.Tensor, buf: SharedBuffer | None,
               copied: torch.cuda.Event | None) -> None:

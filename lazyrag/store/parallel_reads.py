@@ -14,11 +14,12 @@ import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, wait
-from functools import lru_cache
 
 import crc32c
 
 from lazyrag.errors import InputError
+
+from .crc import crc32c_combine
 
 READ_THREADS_VAR = "LAZYRAG_READ_THREADS"
 MAX_THREADS = 16        # the default's cap; $LAZYRAG_READ_THREADS may ask for more
@@ -27,51 +28,6 @@ MIN_PIECE_BYTES = 1 << 20
 PIECES_PER_THREAD = 4   # so that one slow piece does not leave the other threads idle at the end
 
 ReadInto = Callable[[memoryview, int], None]  # fill the view from a byte offset of one file
-
-# crc32c's polynomial, bit-reflected (Castagnoli)
-_POLY = 0x82F63B78
-
-
-def _multmodp(a: int, b: int) -> int:
-    """a * b modulo the polynomial, both bit-reflected (x^0 is the top bit)."""
-    m, p = 1 << 31, 0
-    while True:
-        if a & m:
-            p ^= b
-            if a & (m - 1) == 0:
-                return p
-        m >>= 1
-        b = (b >> 1) ^ _POLY if b & 1 else b >> 1
-
-
-def _powers() -> list[int]:
-    """x^(2^k) modulo the polynomial, k = 0..31."""
-    p, out = 1 << 30, []  # x^1
-    for _ in range(32):
-        out.append(p)
-        p = _multmodp(p, p)
-    return out
-
-
-_X2N = _powers()
-
-
-@lru_cache(maxsize=64)
-def _shift(nbytes: int) -> int:
-    """x^(8 * nbytes) modulo the polynomial: what appending nbytes zero bytes does to a crc."""
-    p, k = 1 << 31, 3
-    while nbytes:
-        if nbytes & 1:
-            p = _multmodp(_X2N[k & 31], p)
-        nbytes >>= 1
-        k += 1
-    return p
-
-
-def crc32c_combine(crc_a: int, crc_b: int, len_b: int) -> int:
-    """crc32c of A followed by B, from crc32c(A), crc32c(B) and len(B) (zlib's crc32_combine)."""
-    return _multmodp(_shift(len_b), crc_a) ^ crc_b
-
 
 def default_threads() -> int:
     """$LAZYRAG_READ_THREADS, else the CPU count up to MAX_THREADS."""

@@ -5,7 +5,7 @@ with the GIL released, slowed the step loop's CUDA launches 1.5x on an H200 mach
 reads in another process left them alone (scripts/bench_read_contention.py). So the loader's
 staging buffers are SharedBuffers: memfd memory mapped here (and pinned on a GPU machine) and in
 the reader process (read_process_child.py, started once per process), which fills them with
-pread and returns each range's crc32c. A range goes as pieces its threads share, so the chunk
+pread and returns each range's crc32c (unless the caller checks the bytes on the GPU). A range goes as pieces its threads share, so the chunk
 needed first lands first. Messages are JSON over a Unix socket, no pickle.
 """
 
@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from .format import StoreError
-from .parallel_reads import crc32c_combine
+from .crc import crc32c_combine
 
 CHILD = Path(__file__).with_name("read_process_child.py")
 MAX_MESSAGE = 1 << 16
@@ -95,8 +95,10 @@ class ReadProcess:
         self._ids = itertools.count()
         self._child: _Child | None = None
 
-    def read(self, buffer: SharedBuffer, at: int, path: str | Path, offset: int, nbytes: int) -> int:
-        """Read ``nbytes`` of ``path`` from ``offset`` into ``buffer`` at ``at``; their crc32c.
+    def read(self, buffer: SharedBuffer, at: int, path: str | Path, offset: int, nbytes: int,
+             checksum: bool = True) -> int | None:
+        """Read ``nbytes`` of ``path`` from ``offset`` into ``buffer`` at ``at``; their crc32c (None
+        without ``checksum``).
         StoreError (naming the file) when the read fails. The range goes as pieces of at most
         PIECE_BYTES, queued together: the process's threads share it, so the ranges asked for
         first finish first (whole ranges on one thread each would all finish late together)."""
@@ -114,14 +116,15 @@ class ReadProcess:
                 child.waiting[rid] = done = Future()
                 waits.append(done)
                 child.send({"op": "read", "id": rid, "buffer": buffer.id, "at": at + start, "path": str(path),
-                            "offset": offset + start, "nbytes": n})
+                            "offset": offset + start, "nbytes": n, "crc": checksum})
         answers = [done.result() for done in waits]  # every piece has stopped writing before an error is raised
         crc = 0
         for (_, n), answer in zip(pieces, answers):
             if "error" in answer:
                 raise StoreError(f"the reader process could not read {nbytes:,} bytes at {offset:,}: {answer['error']}")
-            crc = crc32c_combine(crc, int(answer["crc"]), n)
-        return crc
+            if checksum:
+                crc = crc32c_combine(crc, int(answer["crc"]), n)
+        return crc if checksum else None
 
     def start(self) -> None:
         """Start the process now (the first read would), before the GPU is busy."""

@@ -5,10 +5,10 @@ one argument is the number of the AF_UNIX SOCK_SEQPACKET socket it talks on; its
 reads it runs at once. Messages are JSON objects, one a packet:
 
   {"op": "buffer", "id": B}  + one file descriptor: a memfd to map as buffer B
-  {"op": "read", "id": R, "buffer": B, "at": A, "path": P, "offset": O, "nbytes": N}
+  {"op": "read", "id": R, "buffer": B, "at": A, "path": P, "offset": O, "nbytes": N, "crc": true|false}
 
-and each read is answered {"id": R, "crc": C} (the crc32c of the N bytes now at A in buffer B)
-or {"id": R, "error": "..."}. The process ends when the socket closes.
+and each read is answered {"id": R, "crc": C} (the crc32c of the N bytes now at A in buffer B, or
+null when the read asked for none: the GPU checks them) or {"id": R, "error": "..."}. The process ends when the socket closes.
 """
 
 import json
@@ -27,9 +27,9 @@ MAX_MESSAGE = 1 << 16
 PIECE = 4 << 20  # bytes read, then checksummed while they are still in the CPU's cache
 
 
-def read_range(path: str, view: memoryview, offset: int) -> int:
-    """Read len(view) bytes of the file at offset into view; their crc32c, taken piece by piece as
-    they land (one pass over memory fewer than checksumming the whole range after)."""
+def read_range(path: str, view: memoryview, offset: int, checksum: bool = True) -> int | None:
+    """Read len(view) bytes of the file at offset into view; their crc32c (when ``checksum``), taken
+    piece by piece as they land (one pass over memory fewer than checksumming the whole range after)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         done, crc = 0, 0
@@ -41,10 +41,11 @@ def read_range(path: str, view: memoryview, offset: int) -> int:
                 if n <= 0:
                     raise EOFError(f"the file ends at byte {offset + done + got}, inside the range read")
                 got += n
-            crc = crc32c.crc32c(piece, crc)
+            if checksum:
+                crc = crc32c.crc32c(piece, crc)
             piece.release()
             done += got
-        return crc
+        return crc if checksum else None
     finally:
         os.close(fd)
 
@@ -65,7 +66,7 @@ def main() -> None:
             try:
                 buf = buffers[msg["buffer"]]
                 view = memoryview(buf)[msg["at"]: msg["at"] + msg["nbytes"]]
-                reply({"id": msg["id"], "crc": read_range(msg["path"], view, msg["offset"])})
+                reply({"id": msg["id"], "crc": read_range(msg["path"], view, msg["offset"], msg.get("crc", True))})
                 view.release()
             except OSError as e:
                 reply({"id": msg["id"], "error": f"{e.strerror or e}: {msg['path']}"})

@@ -232,7 +232,7 @@ class SegmentReader:
         return seg.file, seg.data_start + chunk.offset * self._row_bytes, chunk.padded_length * self._row_bytes
 
     def read_kv(self, chunk: ChunkInfo, out: torch.Tensor | None = None, whole: bool = False,
-                into_out: RangeRead | None = None) -> torch.Tensor:
+                into_out: RangeRead | None = None, verify: bool = True) -> torch.Tensor:
         """A chunk's KV: ``[padded_length, num_layers, 2, num_kv_heads, head_dim]`` in
         the logical dtype, or packed fp8 rows (``rows_dtype``, ``row_shape``) (K rotated at
         chunk-local positions, then V). Rows past
@@ -242,7 +242,8 @@ class SegmentReader:
         a caller that reads many chunks at once on threads of its own (pieces on more threads than
         that only contend with it for the cores and the GIL). ``into_out(file, offset, nbytes)``:
         reads a local segment's byte range into ``out`` elsewhere (the reader process) and returns
-        its crc32c.
+        its crc32c. ``verify=False``: the bytes are not checked against the chunk's crc32c here;
+        the caller checks them (``check_crc``) where they land (the loader, on the GPU).
         """
         s = self.settings
         shape = (chunk.padded_length, *s.row_shape)
@@ -265,13 +266,20 @@ class SegmentReader:
                                  memoryview(buf), seg.data_start + chunk.offset * self._row_bytes)
             else:
                 buf[:] = self._read_through_zarr(chunk)
-                got = checksum(buf) if chunk.checksum is not None else None
+                got = checksum(buf) if chunk.checksum is not None and verify else None
         except StoreError as e:
             raise self._read_error(chunk, str(e)) from None
-        if chunk.checksum is not None and got != chunk.checksum:
-            raise self._read_error(chunk, f"its checksum does not match (stored {chunk.checksum:#010x}, "
-                                          f"read {got:#010x}): the data on disk changed", corrupt=True)
+        if verify:
+            self.check_crc(chunk, got)
         return out
+
+    def check_crc(self, chunk: ChunkInfo, got: int | None) -> None:
+        """Raise ChunkReadError (corrupt) when ``got``, the crc32c of the bytes read for ``chunk``,
+        is not the one its catalog entry records (a chunk without one passes)."""
+        if chunk.checksum is not None and got != chunk.checksum:
+            shown = "none" if got is None else f"{got:#010x}"
+            raise self._read_error(chunk, f"its checksum does not match (stored {chunk.checksum:#010x}, "
+                                          f"read {shown}): the data on disk changed", corrupt=True)
 
     def check_structure(self, chunk: ChunkInfo) -> None:
         """Raise ChunkReadError, as :meth:`read_kv` would, when ``chunk``'s segment is missing or

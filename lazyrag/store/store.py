@@ -270,10 +270,15 @@ class Store:
         return self._storage.local_dir
 
     def read_kv(self, chunk: ChunkInfo, out: torch.Tensor | None = None, whole: bool = False,
-                into_out: RangeRead | None = None) -> torch.Tensor:
+                into_out: RangeRead | None = None, verify: bool = True) -> torch.Tensor:
         """A chunk's KV: ``[padded_length, num_layers, 2, num_kv_heads, head_dim]`` in
         the logical dtype; see :meth:`SegmentReader.read_kv`. Safe to call from several threads."""
-        return self._segments.read_kv(chunk, out, whole, into_out)
+        return self._segments.read_kv(chunk, out, whole, into_out, verify)
+
+    def check_crc(self, chunk: ChunkInfo, got: int | None) -> None:
+        """ChunkReadError (corrupt) unless ``got`` is ``chunk``'s recorded crc32c; see
+        :meth:`SegmentReader.check_crc` (for reads made with ``verify=False``)."""
+        self._segments.check_crc(chunk, got)
 
     # -- run log and summary -----------------------------------------------------
 

@@ -92,3 +92,35 @@ def test_bench_e2e_from_disk_rows_beside_the_disk_rate(tmp_path):
     assert abs(disk["disk_bound_req_per_s"] - 6 / seconds) < 1e-3 * disk["disk_bound_req_per_s"] + 1e-3
     assert "| tiny | zipf | 6 | cold, from disk | lazy | 0 |" in run.stdout
     assert "from disk / min(page cache, disk bound)" in run.stdout
+
+
+def test_bench_e2e_host_checksum_rows_and_step_log_variants(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["OUT"] = str(tmp_path / "out")
+    cmd = [sys.executable, str(ROOT / "scripts" / "bench_e2e.py"), "--models", "random:tiny", "--docs", "6",
+           "--doc-tokens", "64", "--requests", "4", "--cache-gb", "0.5", "--skip-full", "--skip-block",
+           "--recompute", "0", "--batch-sizes", "2", "--batch-size", "2", "--host-checksums-too",
+           "--step-log", "4", "--staging-gb", "0.5"]
+    run = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    res = json.loads((tmp_path / "out" / "bench_e2e.json").read_text())["results"][0]
+    assert [r["mode"] for r in res["batch_sweep"]] == ["lazy", "lazy, crc32c on the host"]
+    assert all("error" not in r for r in res["batch_sweep"])
+    assert set(res["step_log"]) == {"cold", "warm", "cold, 0.5 GB of staging", "cold, crc32c on the host"}
+
+
+def test_loader_defaults_patches_the_named_defaults_and_restores_them():
+    import importlib.util
+
+    from lazyrag.serve.loader import ChunkLoader
+
+    spec = importlib.util.spec_from_file_location("bench_e2e_module", ROOT / "scripts" / "bench_e2e.py")
+    bench = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # its dataclasses look it up
+    spec.loader.exec_module(bench)
+    before = ChunkLoader.__init__.__defaults__
+    names = ChunkLoader.__init__.__code__.co_varnames[1: ChunkLoader.__init__.__code__.co_argcount]
+    with bench.loader_defaults(check_on_device=False, staging_bytes=123):
+        patched = dict(zip(names[len(names) - len(before):], ChunkLoader.__init__.__defaults__))
+        assert patched["check_on_device"] is False and patched["staging_bytes"] == 123
+        assert patched["host_cache_bytes"] == 0 and patched["read_threads"] is None
+    assert ChunkLoader.__init__.__defaults__ == before

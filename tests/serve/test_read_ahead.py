@@ -32,11 +32,11 @@ class HeldReads:
         for info in infos:
             self._gate(info.chunk_id).set()
 
-    def read_kv(self, info, out=None, whole=False, into_out=None):
+    def read_kv(self, info, out=None, whole=False, into_out=None, verify=True):
         self._gate(info.chunk_id).wait(timeout=30)
         self.whole.append(whole)
         self.by_process[info.chunk_id] = into_out is not None
-        return self.store.read_kv(info, out=out, whole=whole, into_out=into_out)
+        return self.store.read_kv(info, out=out, whole=whole, into_out=into_out, verify=verify)
 
     def _gate(self, chunk_id: str) -> threading.Event:
         with self.lock:

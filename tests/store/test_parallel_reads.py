@@ -13,7 +13,8 @@ from store_samples import add_documents, make_chunks, random_kv, rows_of, settin
 from lazyrag.errors import InputError
 from lazyrag.failures import classify
 from lazyrag.store import ChunkReadError, SegmentReader, Store, StoreError
-from lazyrag.store.parallel_reads import READ_THREADS_VAR, ParallelReads, crc32c_combine, default_threads
+from lazyrag.store.crc import crc32c_combine
+from lazyrag.store.parallel_reads import READ_THREADS_VAR, ParallelReads, default_threads
 
 
 @pytest.mark.parametrize("len_a,len_b", [(0, 0), (5, 0), (0, 7), (1, 1), (4096, 13), (100_003, 65_536)])

@@ -92,3 +92,13 @@ def test_a_range_read_in_pieces_lands_whole_with_the_crc32c_of_all_of_it(tmp_pat
     short.write_bytes(data[: 200_000])  # the first pieces read, a later one runs off the end
     with pytest.raises(StoreError, match="ends at byte 200000"):
         reads.read(buf, 0, short, 0, 300_000)
+
+
+def test_a_read_without_a_checksum_lands_the_same_bytes_and_returns_none(tmp_path, reads):
+    data = os.urandom(40 << 20)  # several 16 MB pieces
+    path = tmp_path / "segment"
+    path.write_bytes(data)
+    buf = SharedBuffer(len(data))
+    assert reads.read(buf, 0, path, 0, len(data), checksum=False) is None
+    assert bytes(buf.tensor.numpy()) == data
+    assert reads.read(buf, 0, path, 0, len(data)) == crc32c.crc32c(data)

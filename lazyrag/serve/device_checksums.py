@@ -1,0 +1,59 @@
+"""A chunk's crc32c computed where its bytes are: on the GPU, over the copy the loader made there.
+
+Checked on the host, every byte read costs a crc32c pass on a CPU core, beside the copy out of
+the page cache that the same cores make; on the GPU the pass costs a fraction of a millisecond
+per chunk. A crc register is linear over GF(2) in the bits it reads: each 64-byte row's register
+(read from zero) is its 512 bits times one 512 x 32 matrix, and the register of 16 consecutive
+units is their 16 registers' bits times another, so a chunk's crc32c is one kernels.bit_rows
+launch per level of that tree (7 for an 8B model's 264 MB chunk). Leading zero bytes leave a
+register read from zero at zero, so each level pads its input at the front to whole rows.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lazyrag import kernels
+from lazyrag.store.crc import after_zeros, byte_register, conditioning
+
+ROW = 64   # bytes a bit_rows row reads
+FOLD = 16  # registers (int32) in a row: what each level after the first folds into one
+
+_matrices: dict[tuple[int, str], torch.Tensor] = {}
+
+
+def level_matrix(level: int, device: torch.device) -> torch.Tensor:
+    """[512, 32] fp16 0/1, row 8 * byte + bit: at level 0, what each bit of a 64-byte row adds to
+    the row's register; above, what each bit of a row of 16 registers (each of the bytes of
+    64 * 16**(level - 1)) adds to the register of all their bytes."""
+    key = (level, str(device))
+    if key not in _matrices:
+        words = []
+        for i in range(8 * ROW):
+            byte, bit = divmod(i, 8)
+            if level == 0:
+                words.append(after_zeros(byte_register(1 << bit), ROW - 1 - byte))
+            else:  # the row's byte `byte` is byte byte % 4 of register byte // 4 (little-endian)
+                unit = ROW * FOLD ** (level - 1)
+                words.append(after_zeros(1 << (8 * (byte % 4) + bit), unit * (FOLD - 1 - byte // 4)))
+        bits = [[(w >> c) & 1 for c in range(32)] for w in words]
+        _matrices[key] = torch.tensor(bits, dtype=torch.float16, device=device)
+    return _matrices[key]
+
+
+def device_crc32c(data: torch.Tensor) -> torch.Tensor:
+    """crc32c of a contiguous uint8 vector's bytes, computed on its device: a one-element int32
+    tensor there holding its 32 bits (``int(t) & 0xFFFFFFFF`` on the host). Queued on the current
+    stream; nothing waits for it."""
+    n = data.numel()
+    if n == 0:
+        return torch.zeros(1, dtype=torch.int32, device=data.device)
+    level, x = 0, data
+    while True:
+        rows = -(-x.numel() // ROW)
+        last = rows == 1
+        x = kernels.bit_rows(x, rows * ROW - x.numel(), level_matrix(level, data.device),
+                             conditioning(n) if last else 0)
+        if last:
+            return x
+        x, level = x.view(torch.uint8), level + 1

@@ -1,0 +1,139 @@
+"""A chunk read checked where it lands (on the GPU; here on the CPU pool through the same path):
+the reader process is asked for no crc32c, the device's crc32c is compared with the catalog's, a
+corrupt chunk fails its load as on the host, and a device out of memory falls back to the host."""
+
+import time
+
+import pytest
+import torch
+from serve_stores import make_store
+from test_chunk_read_errors import corrupt
+
+from lazyrag.serve import loader as loader_module
+from lazyrag.serve.loader import ChunkLoader
+from lazyrag.serve.paged import PagePool
+from lazyrag.store import ChunkReadError
+
+
+def pool_for(store, num_pages=32):
+    s = store.settings
+    return PagePool(s.num_layers, s.num_kv_heads, s.head_dim, num_pages, s.page_size, torch.bfloat16,
+                    torch.device("cpu"))
+
+
+@pytest.fixture
+def watched(monkeypatch):
+    """Counts the device checks and records whether each process read asked for a crc32c."""
+    seen = {"checks": 0, "process_crc": []}
+    real_check = loader_module.device_crc32c
+
+    def check(data):
+        seen["checks"] += 1
+        return real_check(data)
+
+    monkeypatch.setattr(loader_module, "device_crc32c", check)
+    return seen
+
+
+def load_all(store, loader, pool, chunks, ahead: bool):
+    if ahead:
+        loader.prefetch(chunks)
+    out = []
+    for info in chunks:
+        pages = pool.alloc(pool.pages_for(info.padded_length))
+        report = loader.load(info, pages)
+        assert report.read_ahead == ahead
+        out.append(pool.read_tokens(pages)[: info.padded_length])
+    return out
+
+
+@pytest.mark.parametrize("ahead", [False, True])
+def test_checked_on_the_device_loads_what_the_host_path_loads(tmp_path, tiny, watched, ahead):
+    store = make_store(tmp_path, "random:tiny", dtype="bf16")
+    chunks = [store.doc_chunks(d)[0] for d in ("nile", "iron", "tokyo")]
+    pool = pool_for(store)
+    loader = ChunkLoader(store, pool, check_on_device=True)
+    real_read = loader.process.read
+    loader.process.read = lambda *a, **k: watched["process_crc"].append(k.get("checksum", True)) or real_read(*a, **k)
+    got = load_all(store, loader, pool, chunks, ahead)
+    assert watched["checks"] == 3 and watched["process_crc"] and not any(watched["process_crc"])
+    for info, kv in zip(chunks, got):
+        assert torch.equal(kv.view(torch.int16), store.read_kv(info).view(torch.int16))
+    loader.close()
+    store.close()
+
+
+@pytest.mark.parametrize("oom", [False, True])
+def test_a_corrupt_chunk_fails_its_load_and_only_it(tmp_path, tiny, monkeypatch, oom):
+    store = make_store(tmp_path, "random:tiny", dtype="bf16")
+    bad, good = store.doc_chunks("nile")[0], store.doc_chunks("iron")[0]
+    corrupt(tmp_path / "s.zarr", bad)
+    if oom:  # no device memory for the copy: checked on the host instead, loaded from there
+        def no_memory(data):
+            raise torch.OutOfMemoryError("injected")
+        monkeypatch.setattr(loader_module, "device_crc32c", no_memory)
+    pool = pool_for(store)
+    loader = ChunkLoader(store, pool, check_on_device=True)
+    loader.prefetch([bad, good])
+    with pytest.raises(ChunkReadError, match=f"{bad.chunk_id}.*checksum does not match") as err:
+        loader.load(bad, pool.alloc(pool.pages_for(bad.padded_length)))
+    assert err.value.corrupt
+    with pytest.raises(ChunkReadError, match=bad.chunk_id):  # read again on demand: the same error
+        loader.load(bad, pool.alloc(pool.pages_for(bad.padded_length)))
+    pages = pool.alloc(pool.pages_for(good.padded_length))
+    loader.load(good, pages)
+    assert torch.equal(pool.read_tokens(pages)[: good.padded_length].view(torch.int16),
+                       store.read_kv(good).view(torch.int16))
+    assert loader._device_held == 0  # neither the failed copy nor the loaded one is counted any more
+    loader.close()
+    store.close()
+
+
+def test_copies_on_the_device_stay_within_its_room_and_the_rest_are_checked_on_the_host(tmp_path, tiny, watched):
+    store = make_store(tmp_path, "random:tiny", dtype="bf16")
+    a, b, c, d = (store.doc_chunks(x)[0] for x in ("nile", "iron", "tokyo", "bach"))
+    pool = pool_for(store)
+    loader = ChunkLoader(store, pool, check_on_device=True)
+    loader.device_room = a.padded_length * loader.row_bytes  # one chunk's copy
+    loader.prefetch([a, b, c])
+    while any(loader.reading(x.chunk_id) for x in (a, b, c)):
+        time.sleep(0.01)
+    assert watched["checks"] == 1 and loader._device_held == loader.device_room
+    got = load_all(store, loader, pool, [a, b, c], ahead=True)  # the reads already made, loaded
+    for info, kv in zip((a, b, c), got):
+        assert torch.equal(kv.view(torch.int16), store.read_kv(info).view(torch.int16))
+    assert loader._device_held == 0
+    load_all(store, loader, pool, [d], ahead=True)
+    assert watched["checks"] == 2  # the room is free again
+    loader.close()
+    store.close()
+
+
+def test_a_read_asked_for_no_crc32c_is_refused_by_a_check_that_wants_one(tmp_path, tiny):
+    store = make_store(tmp_path, "random:tiny", dtype="bf16")
+    info = store.doc_chunks("nile")[0]
+    with pytest.raises(ChunkReadError, match="read none"):
+        store.read_kv(info, into_out=lambda file, offset, nbytes: None)
+    store.close()
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_reads_are_checked_there_by_default_and_corrupt_ones_fail(tmp_path, tiny, watched):
+    store = make_store(tmp_path, "random:tiny", dtype="bf16")
+    chunks = [store.doc_chunks(d)[0] for d in ("nile", "iron", "tokyo")]
+    bad = store.doc_chunks("bach")[0]
+    corrupt(tmp_path / "s.zarr", bad)
+    s = store.settings
+    pool = PagePool(s.num_layers, s.num_kv_heads, s.head_dim, 32, s.page_size, torch.bfloat16, torch.device("cuda"))
+    loader = ChunkLoader(store, pool)
+    assert loader.check_on_device
+    got = load_all(store, loader, pool, chunks, ahead=True)
+    torch.cuda.synchronize()
+    assert watched["checks"] == 3
+    for info, kv in zip(chunks, got):
+        assert torch.equal(kv.cpu().view(torch.int16), store.read_kv(info).view(torch.int16))
+    loader.prefetch([bad])
+    with pytest.raises(ChunkReadError, match="checksum does not match"):
+        loader.load(bad, pool.alloc(pool.pages_for(bad.padded_length)))
+    loader.close()
+    store.close()
