@@ -137,3 +137,33 @@ def test_on_a_gpu_reads_are_checked_there_by_default_and_corrupt_ones_fail(tmp_p
         loader.load(bad, pool.alloc(pool.pages_for(bad.padded_length)))
     loader.close()
     store.close()
+
+
+@pytest.mark.parametrize("mode", ["lazy", "block"])
+def test_the_engine_answers_the_same_with_reads_checked_on_the_device(tmp_path, tiny, monkeypatch, watched, mode):
+    from functools import partial
+
+    from serve_stores import request
+
+    from lazyrag.models.prompt import PromptFormat
+    from lazyrag.serve import Engine
+    from lazyrag.serve import engine as engine_module
+
+    store = make_store(tmp_path, "random:tiny")
+    fmt = PromptFormat(tiny.tokenizer)
+
+    def answers() -> dict:
+        reqs = [request(store, fmt, "a", ["nile", "iron"], "How long?", 4),
+                request(store, fmt, "b", ["bach", "nile", "tokyo"], "Where?", 4),
+                request(store, fmt, "c", ["iron"], "Which symbol?", 4)]
+        engine = Engine(tiny, store, mode, cache_bytes=8 << 20, batch_size=2)
+        out = {}
+        engine.run(reqs, lambda s: out.setdefault(s.id, list(s.generated)))
+        engine.close()
+        return out
+
+    on_the_host = answers()
+    assert watched["checks"] == 0
+    monkeypatch.setattr(engine_module, "ChunkLoader", partial(ChunkLoader, check_on_device=True))
+    assert answers() == on_the_host and watched["checks"] > 0
+    store.close()
