@@ -16,7 +16,7 @@ ROW_BYTES = 64
 BITS = 32
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n", "pad", "rows", "xor"])  # one compiled variant for every chunk and level
 def _bit_rows_kernel(DATA, MAT, OUT, n, pad, rows, xor,
                      BLOCK_M: tl.constexpr, STEP: tl.constexpr, ROW: tl.constexpr, BITS: tl.constexpr):
     # one program: BLOCK_M rows; the data sits `pad` bytes into the first row, zeros before and after it

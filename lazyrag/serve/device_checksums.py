@@ -57,3 +57,9 @@ def device_crc32c(data: torch.Tensor) -> torch.Tensor:
         if last:
             return x
         x, level = x.view(torch.uint8), level + 1
+
+
+def warm_device_checks(device: torch.device) -> None:
+    """Compile the kernel (one variant serves every size) and build the first levels' matrices, so
+    that the first chunk read does not wait for them."""
+    device_crc32c(torch.zeros(ROW * FOLD + 1, dtype=torch.uint8, device=device))

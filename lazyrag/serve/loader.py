@@ -37,7 +37,7 @@ from typing import Protocol
 import crc32c
 import torch
 
-from lazyrag.serve.device_checksums import device_crc32c
+from lazyrag.serve.device_checksums import device_crc32c, warm_device_checks
 from lazyrag.serve.memory import available_bytes
 from lazyrag.serve.paged import PagePool
 from lazyrag.store import ChunkInfo, Store, rows_dtype
@@ -272,6 +272,8 @@ class ChunkLoader:
         self.device_room = min(staging_bytes, room // 4) if room is not None else staging_bytes
         self._device_held = 0
         self._device_lock = threading.Lock()
+        if self.check_on_device and pool.kv.is_cuda:
+            warm_device_checks(pool.kv.device)
         self.host = _HostTier(int(host_cache_bytes))
         threads = read_threads or chunk_read_threads()
         # these threads only wait: the reads themselves run in the reader process

@@ -139,23 +139,25 @@ def test_on_a_gpu_reads_are_checked_there_by_default_and_corrupt_ones_fail(tmp_p
     store.close()
 
 
-@pytest.mark.parametrize("mode", ["lazy", "block"])
-def test_the_engine_answers_the_same_with_reads_checked_on_the_device(tmp_path, tiny, monkeypatch, watched, mode):
+@pytest.mark.parametrize("mode,kv", [("lazy", "fp32"), ("block", "fp32"), ("lazy", "fp8")])
+def test_the_engine_answers_the_same_with_reads_checked_on_the_device(request, tmp_path, monkeypatch, watched, mode,
+                                                                     kv):
     from functools import partial
 
-    from serve_stores import request
+    from serve_stores import request as make_request
 
     from lazyrag.models.prompt import PromptFormat
     from lazyrag.serve import Engine
     from lazyrag.serve import engine as engine_module
 
-    store = make_store(tmp_path, "random:tiny")
+    tiny = request.getfixturevalue("tiny_fp8" if kv == "fp8" else "tiny")
+    store = make_store(tmp_path, "random:tiny", dtype=kv)
     fmt = PromptFormat(tiny.tokenizer)
 
     def answers() -> dict:
-        reqs = [request(store, fmt, "a", ["nile", "iron"], "How long?", 4),
-                request(store, fmt, "b", ["bach", "nile", "tokyo"], "Where?", 4),
-                request(store, fmt, "c", ["iron"], "Which symbol?", 4)]
+        reqs = [make_request(store, fmt, "a", ["nile", "iron"], "How long?", 4),
+                make_request(store, fmt, "b", ["bach", "nile", "tokyo"], "Where?", 4),
+                make_request(store, fmt, "c", ["iron"], "Which symbol?", 4)]
         engine = Engine(tiny, store, mode, cache_bytes=8 << 20, batch_size=2)
         out = {}
         engine.run(reqs, lambda s: out.setdefault(s.id, list(s.generated)))
