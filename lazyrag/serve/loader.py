@@ -379,9 +379,12 @@ class ChunkLoader:
             return self.store.read_kv(read.info, out=torch.empty(shape, dtype=dtype), whole=True)
         buf = read.buf = self.staging.writable(read.slot)
         on_device = self.check_on_device and read.info.checksum is not None
-        host = self.store.read_kv(
-            read.info, out=buf.tensor[: read.nbytes].view(dtype).view(shape), whole=True, verify=not on_device,
-            into_out=lambda file, offset, nbytes: self.process.read(buf, 0, file, offset, nbytes, checksum=not on_device))
+
+        def into_buffer(file, offset: int, nbytes: int) -> int | None:
+            return self.process.read(buf, 0, file, offset, nbytes, checksum=not on_device)
+
+        host = self.store.read_kv(read.info, out=buf.tensor[: read.nbytes].view(dtype).view(shape), whole=True,
+                                  into_out=into_buffer, verify=not on_device)
         if on_device:
             read.on_device = self._checked_on_device(read.info, host)
         return host

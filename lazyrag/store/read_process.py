@@ -5,8 +5,9 @@ with the GIL released, slowed the step loop's CUDA launches 1.5x on an H200 mach
 reads in another process left them alone (scripts/bench_read_contention.py). So the loader's
 staging buffers are SharedBuffers: memfd memory mapped here (and pinned on a GPU machine) and in
 the reader process (read_process_child.py, started once per process), which fills them with
-pread and returns each range's crc32c (unless the caller checks the bytes on the GPU). A range goes as pieces its threads share, so the chunk
-needed first lands first. Messages are JSON over a Unix socket, no pickle.
+pread and returns each range's crc32c (unless the caller checks the bytes on the GPU). A range
+goes as pieces its threads share, so the chunk needed first lands first. Messages are JSON over
+a Unix socket, no pickle.
 """
 
 from __future__ import annotations
