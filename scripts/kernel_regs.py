@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import triton
 from triton.backends.compiler import GPUTarget
-from triton.backends.nvidia.compiler import get_ptxas
+from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
 from triton.compiler import ASTSource
 
 from lazyrag.kernels import bit_matrix, decode, prefill
@@ -61,13 +61,13 @@ def resources(launch: Launch, arch: int, tma_block=None) -> dict:
 
 
 def report(src: ASTSource, options: dict, arch: int) -> dict:
-    """Compile ``src`` for sm_<arch>a and read ptxas's report."""
+    """Compile ``src`` for ``arch`` (sm_90a for 90) and read ptxas's report."""
     compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
     with tempfile.TemporaryDirectory() as tmp:
         ptx = Path(tmp) / "k.ptx"
         ptx.write_text(compiled.asm["ptx"])
         # the ptxas this Triton version compiles with (the PTX it emits may be too new for another)
-        cmd = [get_ptxas(arch).path, "-v", f"--gpu-name=sm_{arch}a", str(ptx), "-o", str(Path(tmp) / "k.cubin")]
+        cmd = [get_ptxas(arch).path, "-v", f"--gpu-name={sm_arch_from_capability(arch)}", str(ptx), "-o", str(Path(tmp) / "k.cubin")]
         info = subprocess.run(cmd, capture_output=True, text=True, check=True).stderr
     regs = re.search(r"Used (\d+) registers", info)
     # K/V tiles the software pipeliner loads asynchronously (cp.async or TMA): none means each
@@ -132,7 +132,7 @@ def main() -> None:
                 r = resources(launch, args.arch, (64, D) if tma else None)
                 rows.append(("decode", D, rotate, f"{'' if tma else 'default: '}{label(launch, 'BLOCK_H')}", r))
     rows.append(("bit_rows", "-", "-", "64 rows of 64 bytes, 4 warps", bit_rows_resources(args.arch)))
-    print(f"sm_{args.arch}a, triton {triton.__version__}, bf16, page size 64\n")
+    print(f"{sm_arch_from_capability(args.arch)}, triton {triton.__version__}, bf16, page size 64\n")
     print("| kernel | head dim | rotate | config | registers | spill stores / loads (bytes) | shared (bytes) | "
           "programs/SM | async tile loads |")
     print("|---|---|---|---|---|---|---|---|---|")
