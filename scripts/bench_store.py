@@ -15,8 +15,9 @@ and, with --bounds, what bounds a read from the page cache, at each --threads co
   memcpy      host memory to host memory (numpy's copy on each thread): the memory system's rate
   files       the segment files' bytes from the page cache in pieces, no store in between, with
               and without each piece's crc32c: what the checksum costs
-  beside H2D  the same file reads while another thread copies pinned memory to the GPU without
-              pause, as a cold run's loads do (CUDA only), and the copies' own rate meanwhile
+  beside H2D  the same file reads, without and with crc32c, while another thread copies pinned
+              memory to the GPU without pause, as a cold run's loads do (CUDA only), and the
+              copies' own rate beside the reads without crc32c (answer's reads on a GPU)
   GPU crc32c  the loader's check on the GPU (device_crc32c) over an 8B chunk's 264 MiB, beside a
               device-to-device copy of the same bytes (HBM: bytes read and written)
 
@@ -129,9 +130,10 @@ def bounds(files: list[Path], threads: list[int], piece: int, pinned: bool) -> d
         out[f"memcpy_{n}"] = threaded_gb_s(n, copies, memcpy)
         out[f"files_{n}"] = threaded_gb_s(n, jobs, lambda j: read(j, False))
         out[f"files_crc_{n}"] = threaded_gb_s(n, jobs, lambda j: read(j, True))
-        if pinned:
-            out[f"files_crc_beside_h2d_{n}"], out[f"h2d_beside_{n}"] = beside_h2d(
-                lambda: threaded_gb_s(n, jobs, lambda j: read(j, True)))
+        if pinned:  # answer's reads (checked on the GPU), then with the host check `check` makes
+            out[f"files_beside_h2d_{n}"], out[f"h2d_beside_{n}"] = beside_h2d(
+                lambda: threaded_gb_s(n, jobs, lambda j: read(j, False)))
+            out[f"files_crc_beside_h2d_{n}"], _ = beside_h2d(lambda: threaded_gb_s(n, jobs, lambda j: read(j, True)))
     if pinned:
         out["h2d_alone"] = beside_h2d(lambda: time.sleep(1.0) or 0.0)[1]
         out["gpu_crc32c"], out["gpu_copy_hbm"] = gpu_check_gb_s()
@@ -192,7 +194,8 @@ def gpu_check_gb_s(nbytes: int = 264 << 20, reps: int = 10) -> tuple[float, floa
 
 def print_bounds(b: dict, threads: list[int]) -> None:
     rows = [("memcpy", "memcpy"), ("page cache, no crc32c", "files"), ("page cache, crc32c", "files_crc"),
-            ("page cache, crc32c, beside H2D", "files_crc_beside_h2d"), ("H2D beside those reads", "h2d_beside")]
+            ("page cache, beside H2D", "files_beside_h2d"), ("H2D beside those reads", "h2d_beside"),
+            ("page cache, crc32c, beside H2D", "files_crc_beside_h2d")]
     print(f"{'GB/s':32s}" + "".join(f"{n:>8d}" for n in threads))
     for label, key in rows:
         if f"{key}_{threads[0]}" in b:
