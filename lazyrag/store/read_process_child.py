@@ -8,7 +8,8 @@ reads it runs at once. Messages are JSON objects, one a packet:
   {"op": "read", "id": R, "buffer": B, "at": A, "path": P, "offset": O, "nbytes": N, "crc": true|false}
 
 and each read is answered {"id": R, "crc": C} (the crc32c of the N bytes now at A in buffer B, or
-null when the read asked for none: the GPU checks them) or {"id": R, "error": "..."}. The process ends when the socket closes.
+null when the read asked for none: the GPU checks them) or {"id": R, "error": "..."}. The
+process ends when the socket closes.
 """
 
 import json
