@@ -11,6 +11,7 @@ register read from zero at zero, so each level pads its input at the front to wh
 
 from __future__ import annotations
 
+import crc32c
 import torch
 
 from lazyrag import kernels
@@ -59,7 +60,18 @@ def device_crc32c(data: torch.Tensor) -> torch.Tensor:
         x, level = x.view(torch.uint8), level + 1
 
 
-def warm_device_checks(device: torch.device) -> None:
-    """Compile the kernel (one variant serves every size) and build the first levels' matrices, so
-    that the first chunk read does not wait for them."""
-    device_crc32c(torch.zeros(ROW * FOLD + 1, dtype=torch.uint8, device=device))
+def device_checks_work(device: torch.device) -> str | None:
+    """Compile the kernel (one variant serves every size), build the first levels' matrices, and
+    check known bytes' crc32c on ``device`` against the host's, so that the first chunk read waits
+    for none of it and a device that computes them wrongly (or cannot run the kernel) never fails
+    sound chunks as corrupt. None when they agree, else why not."""
+    gen = torch.Generator().manual_seed(0)
+    try:
+        for n in (1, ROW * FOLD + 1, ROW * FOLD * FOLD + 3):  # one, three and four levels
+            data = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen)
+            got, want = int(device_crc32c(data.to(device))) & 0xFFFFFFFF, crc32c.crc32c(data.numpy())
+            if got != want:
+                return f"the crc32c of {n} known bytes on {device} came out {got:#010x}, not {want:#010x}"
+    except Exception as e:  # a kernel that does not compile or run here: the host checks instead
+        return f"crc32c on {device} failed ({type(e).__name__}: {e})"
+    return None

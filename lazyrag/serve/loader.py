@@ -37,10 +37,11 @@ from typing import Protocol
 import crc32c
 import torch
 
-from lazyrag.serve.device_checksums import device_crc32c, warm_device_checks
+from lazyrag.serve.device_checksums import device_checks_work, device_crc32c
 from lazyrag.serve.memory import available_bytes
 from lazyrag.serve.paged import PagePool
 from lazyrag.store import ChunkInfo, Store, rows_dtype
+from lazyrag.store.integrity import Warn, warn_stderr
 from lazyrag.store.read_process import SharedBuffer, shared_read_process
 
 Slot = tuple  # (staging buffer, or None: make one when first written; event of its last copy, or None)
@@ -260,10 +261,10 @@ class ChunkLoader:
     chunk, made when first used; on a GPU each such read also holds its copy there, within a
     quarter of the memory free when the loader is made: past it, reads are checked on the host);
     check_on_device: check a staged read's crc32c on the pool's device (default: on a GPU), not in
-    the reader process."""
+    the reader process, once known bytes' crc32c there is found right (else ``warn`` says why)."""
 
     def __init__(self, store: Store, pool: PagePool, host_cache_bytes: float = 0, read_threads: int | None = None,
-                 staging_bytes: int = STAGING_BYTES, check_on_device: bool | None = None):
+                 staging_bytes: int = STAGING_BYTES, check_on_device: bool | None = None, warn: Warn = warn_stderr):
         self.store, self.pool = store, pool
         self.check_on_device = pool.kv.is_cuda if check_on_device is None else check_on_device
         self._thread = threading.local()  # a reader thread's CUDA stream
@@ -272,8 +273,11 @@ class ChunkLoader:
         self.device_room = min(staging_bytes, room // 4) if room is not None else staging_bytes
         self._device_held = 0
         self._device_lock = threading.Lock()
-        if self.check_on_device and pool.kv.is_cuda:
-            warm_device_checks(pool.kv.device)
+        if self.check_on_device:
+            why_not = device_checks_work(pool.kv.device)
+            if why_not is not None:
+                warn(f"{why_not}; chunk reads are checked on the host instead")
+                self.check_on_device = False
         self.host = _HostTier(int(host_cache_bytes))
         threads = read_threads or chunk_read_threads()
         # these threads only wait: the reads themselves run in the reader process

@@ -1,6 +1,7 @@
 """A chunk read checked where it lands (on the GPU; here on the CPU pool through the same path):
 the reader process is asked for no crc32c, the device's crc32c is compared with the catalog's, a
-corrupt chunk fails its load as on the host, and a device out of memory falls back to the host."""
+corrupt chunk fails its load as on the host, and a device out of memory, or one whose crc32c of
+known bytes is wrong or fails, falls back to the host."""
 
 import time
 
@@ -85,6 +86,33 @@ def test_a_corrupt_chunk_fails_its_load_and_only_it(tmp_path, tiny, monkeypatch,
     assert torch.equal(pool.read_tokens(pages)[: good.padded_length].view(torch.int16),
                        store.read_kv(good).view(torch.int16))
     assert loader._device_held == 0  # neither the failed copy nor the loaded one is counted any more
+    loader.close()
+    store.close()
+
+
+@pytest.mark.parametrize("fault", ["wrong", "raises"])
+def test_a_device_that_gets_known_bytes_wrong_leaves_the_checks_to_the_host(tmp_path, tiny, monkeypatch, fault):
+    from lazyrag.serve import device_checksums
+
+    real = device_checksums.device_crc32c
+
+    def broken(data):
+        if fault == "raises":
+            raise RuntimeError("injected: no kernel for this device")
+        return real(data) ^ 1
+
+    monkeypatch.setattr(device_checksums, "device_crc32c", broken)
+    monkeypatch.setattr(loader_module, "device_crc32c", broken)
+    store = make_store(tmp_path, "random:tiny", dtype="bf16")
+    chunks = [store.doc_chunks(d)[0] for d in ("nile", "iron")]
+    pool = pool_for(store)
+    warned = []
+    loader = ChunkLoader(store, pool, check_on_device=True, warn=warned.append)
+    assert not loader.check_on_device
+    assert len(warned) == 1 and "checked on the host" in warned[0]
+    assert ("injected" if fault == "raises" else "known bytes") in warned[0]
+    for info, kv in zip(chunks, load_all(store, loader, pool, chunks, ahead=True)):  # sound chunks load
+        assert torch.equal(kv.view(torch.int16), store.read_kv(info).view(torch.int16))
     loader.close()
     store.close()
 
