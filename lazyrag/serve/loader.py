@@ -330,8 +330,10 @@ class ChunkLoader:
             host = kept.kv
         else:
             host, read = self._wait_read(info, report)
-            report.copied = self._to_pool(read.on_device if read.on_device is not None else host, pages)
-            self._keep(info.chunk_id, host, read.buf, report.copied)
+            from_device = read.on_device is not None
+            report.copied = self._to_pool(read.on_device if from_device else host, pages)
+            # a copy from the device copy leaves the buffer free: the reader thread already waited for its reads
+            self._keep(info.chunk_id, host, read.buf, None if from_device else report.copied)
         report.bytes_to_gpu = host.numel() * host.element_size()
         self._start_wanted()  # a buffer may have come back
         return report

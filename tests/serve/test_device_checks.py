@@ -197,3 +197,35 @@ def test_the_engine_answers_the_same_with_reads_checked_on_the_device(request, t
     monkeypatch.setattr(engine_module, "ChunkLoader", partial(ChunkLoader, check_on_device=True))
     assert answers() == on_the_host and watched["checks"] > 0
     store.close()
+
+
+class _Copy:
+    """Stands in for a copy's CUDA event, which the CPU pool has none of."""
+
+    def synchronize(self):
+        pass
+
+
+@pytest.mark.parametrize("on_device", [False, True])
+def test_a_buffer_loaded_from_its_device_copy_comes_back_with_no_copy_to_wait_for(tmp_path, tiny, monkeypatch,
+                                                                                  on_device):
+    store = make_store(tmp_path, "random:tiny", dtype="bf16")
+    chunks = [store.doc_chunks(d)[0] for d in ("nile", "iron")]
+    pool = pool_for(store)
+    loader = ChunkLoader(store, pool, check_on_device=on_device)
+    real_to_pool, copies = loader._to_pool, []
+
+    def to_pool(kv, pages):
+        real_to_pool(kv, pages)
+        copies.append(_Copy())
+        return copies[-1]
+
+    monkeypatch.setattr(loader, "_to_pool", to_pool)
+    given = []
+    real_give = loader.staging.give
+    monkeypatch.setattr(loader.staging, "give", lambda buf, copied=None: given.append(copied) or real_give(buf, copied))
+    load_all(store, loader, pool, chunks, ahead=True)
+    # from the host, the pages' copy reads the buffer, so it comes back with that copy to wait for
+    assert given == ([None, None] if on_device else copies)
+    loader.close()
+    store.close()
