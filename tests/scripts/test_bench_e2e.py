@@ -109,14 +109,19 @@ def test_bench_e2e_host_checksum_rows_and_step_log_variants(tmp_path):
     assert set(res["step_log"]) == {"cold", "warm", "cold, 0.5 GB of staging", "cold, crc32c on the host"}
 
 
-def test_loader_defaults_patches_the_named_defaults_and_restores_them():
+def bench_module():
     import importlib.util
-
-    from lazyrag.serve.loader import ChunkLoader
 
     spec = importlib.util.spec_from_file_location("bench_e2e_module", ROOT / "scripts" / "bench_e2e.py")
     bench = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # its dataclasses look it up
     spec.loader.exec_module(bench)
+    return bench
+
+
+def test_loader_defaults_patches_the_named_defaults_and_restores_them():
+    from lazyrag.serve.loader import ChunkLoader
+
+    bench = bench_module()
     before = ChunkLoader.__init__.__defaults__
     names = ChunkLoader.__init__.__code__.co_varnames[1: ChunkLoader.__init__.__code__.co_argcount]
     with bench.loader_defaults(check_on_device=False, staging_bytes=123):
@@ -124,3 +129,25 @@ def test_loader_defaults_patches_the_named_defaults_and_restores_them():
         assert patched["check_on_device"] is False and patched["staging_bytes"] == 123
         assert patched["host_cache_bytes"] == 0 and patched["read_threads"] is None
     assert ChunkLoader.__init__.__defaults__ == before
+
+
+def test_the_sweep_table_sets_each_cold_run_against_the_warm_run_of_its_requests():
+    def row(n, warm, mode, batch, rate, disk=False):
+        return {"sweep_requests": n, "requests": n, "warm": warm, "mode": mode, "recompute": 0.0, "disk": disk,
+                "batch_size": batch, "req_per_s": rate, "ttft_ms": {"mean": 1.0}}
+
+    rows = [row(200, False, "lazy", 64, 150.0), row(200, False, "lazy", 128, 170.0),
+            row(200, False, "lazy, crc32c on the host", 128, 160.0), row(1000, False, "lazy", 128, 240.0),
+            row(200, True, "lazy", 64, 190.0), row(200, True, "lazy", 128, 200.0),
+            row(1000, True, "lazy", 128, 300.0), row(200, False, "lazy", 128, 100.0, disk=True)]
+    lines = bench_module().sweep_table([{"model": "random:tiny", "batch_sweep": rows}]).splitlines()
+
+    def ratio(requests, cache, mode):
+        line = next(x for x in lines if x.startswith(f"| tiny | zipf | {requests} | {cache} | {mode} |"))
+        return line.split(" | ")[9]
+
+    assert ratio(200, "cold", "lazy") == "0.85x"  # best against best: 170 / 200
+    assert ratio(200, "cold", "lazy, crc32c on the host") == "0.80x"
+    assert ratio(1000, "cold", "lazy") == "0.80x"
+    assert ratio(200, "cold, from disk", "lazy") == "0.50x"
+    assert ratio(200, "warm", "lazy") == ""
