@@ -20,6 +20,10 @@ and, with --bounds, what bounds a read from the page cache, at each --threads co
               copies' own rate beside the reads without crc32c (answer's reads on a GPU)
   GPU crc32c  the loader's check on the GPU (device_crc32c) over an 8B chunk's 264 MiB, beside a
               device-to-device copy of the same bytes (HBM: bytes read and written)
+  first read  one thread reading 256 MiB of the files into a fresh mapping of a memfd whose pages
+              exist (a staging buffer as the reader process first sees it): its pages faulted in
+              one by one under the read, or mapped at once (MAP_POPULATE, as the reader process
+              maps its buffers; the mapping's time counted), beside the same read again
 
 Reads land in pinned host memory when CUDA is available (pageable otherwise), one buffer per
 chunk in flight; --chunk-readers chunks are read at once (default 1, so a row's threads are all
@@ -33,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import mmap
 import os
 import queue
 import random
@@ -134,11 +139,47 @@ def bounds(files: list[Path], threads: list[int], piece: int, pinned: bool) -> d
             out[f"files_beside_h2d_{n}"], out[f"h2d_beside_{n}"] = beside_h2d(
                 lambda: threaded_gb_s(n, jobs, lambda j: read(j, False)))
             out[f"files_crc_beside_h2d_{n}"], _ = beside_h2d(lambda: threaded_gb_s(n, jobs, lambda j: read(j, True)))
+    out.update(first_read_gb_s(pieces, fds))
     if pinned:
         out["h2d_alone"] = beside_h2d(lambda: time.sleep(1.0) or 0.0)[1]
         out["gpu_crc32c"], out["gpu_copy_hbm"] = gpu_check_gb_s()
     for fd in fds.values():
         os.close(fd)
+    return out
+
+
+def first_read_gb_s(pieces: list, fds: dict, nbytes: int = 256 << 20) -> dict:
+    """GB/s of one thread's reads of the files' first ``nbytes`` into a fresh shared mapping of a
+    memfd whose pages exist: faulted in under the read, mapped at once first, and read again."""
+    fd = os.memfd_create("bench-staging", os.MFD_CLOEXEC)
+    os.ftruncate(fd, nbytes)
+    owner = mmap.mmap(fd, nbytes)
+    owner.write(b"\0" * nbytes)  # the pages exist, as a pinned staging buffer's do
+    jobs, total = [], 0  # (file, its offset, bytes, where they land)
+    for f, off, n in pieces:
+        if total >= nbytes:
+            break
+        jobs.append((f, off, min(n, nbytes - total), total))
+        total += jobs[-1][2]
+
+    def read_into(view: mmap.mmap) -> None:
+        for f, off, n, at in jobs:
+            os.preadv(fds[f], [memoryview(view)[at: at + n]], off)
+
+    def timed(flags: int) -> tuple[float, mmap.mmap]:
+        t = time.perf_counter()
+        view = mmap.mmap(fd, nbytes, flags=flags)
+        read_into(view)
+        return total / (time.perf_counter() - t) / 1e9, view
+
+    out = {}
+    out["first_read_faulted"], _ = timed(mmap.MAP_SHARED)
+    out["first_read_populated"], mapped = timed(mmap.MAP_SHARED | mmap.MAP_POPULATE)
+    t = time.perf_counter()
+    read_into(mapped)
+    out["read_again"] = total / (time.perf_counter() - t) / 1e9
+    owner.close()
+    os.close(fd)
     return out
 
 
@@ -200,6 +241,9 @@ def print_bounds(b: dict, threads: list[int]) -> None:
     for label, key in rows:
         if f"{key}_{threads[0]}" in b:
             print(f"{label:32s}" + "".join(f"{b[f'{key}_{n}']:8.2f}" for n in threads))
+    for label, key in [("first read, faulted page by page", "first_read_faulted"),
+                       ("first read, mapped at once", "first_read_populated"), ("read again", "read_again")]:
+        print(f"{label:32s}{b[key]:8.2f}")
     if "h2d_alone" in b:
         print(f"{'H2D alone':32s}{b['h2d_alone']:8.2f}")
     if "gpu_crc32c" in b:

@@ -32,7 +32,7 @@ import weakref
 from collections import OrderedDict, deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Callable, Protocol
 
 import crc32c
 import torch
@@ -131,7 +131,7 @@ class Staging:
     Pinning memory is slow and does not run in parallel (about 0.2 s per 277 MB buffer on an H200
     machine, 1.6 s for 8 on 8 threads), so buffers are kept for the process (handed from loader to
     loader), and `answer` has the first ones pinned on a thread of their own while its model loads
-    (`pin_staging_ahead`). A reader thread that finds no buffer ready waits for that thread while it
+    (`pin_staging_ahead`), each mapped by the reader process as soon as it is made. A reader thread that finds no buffer ready waits for that thread while it
     owes one; otherwise it makes its own. A buffer is written again only after its last copy to the
     GPU has run: the reader thread waits for that copy, not the engine.
     """
@@ -147,24 +147,28 @@ class Staging:
         self.free: deque[Slot] = deque((None, None) for _ in range(count))
 
     @classmethod
-    def pin_ahead(cls, nbytes: int, count: int, device: torch.device | None = None) -> None:
+    def pin_ahead(cls, nbytes: int, count: int, device: torch.device | None = None,
+                  share: Callable[[SharedBuffer], None] | None = None) -> None:
         """Start pinning, on a thread of its own, as many buffers of ``nbytes`` as the process lacks
-        to hold ``count``."""
+        to hold ``count``, each handed to ``share`` (the reader process, which maps it) once made."""
         key = (nbytes, True)
         with cls._ready:
             owed = count - len(cls._spare.get(key, [])) - cls._owed.get(key, 0)
             if owed <= 0:
                 return
             cls._owed[key] = cls._owed.get(key, 0) + owed
-        threading.Thread(target=cls._make, args=(key, owed, device), name="lazyrag-pin", daemon=True).start()
+        threading.Thread(target=cls._make, args=(key, owed, device, share), name="lazyrag-pin", daemon=True).start()
 
     @classmethod
-    def _make(cls, key: tuple[int, bool], owed: int, device: torch.device | None) -> None:
+    def _make(cls, key: tuple[int, bool], owed: int, device: torch.device | None,
+              share: Callable[[SharedBuffer], None] | None) -> None:
         try:
             if device is not None and device.type == "cuda" and device.index is not None:
                 torch.cuda.set_device(device.index)  # a pinning counts for the device current on its thread
             while owed:
                 buf = SharedBuffer(*key)
+                if share is not None:
+                    share(buf)
                 with cls._ready:
                     cls._spare.setdefault(key, []).append(buf)
                     cls._owed[key] -= 1
@@ -226,7 +230,9 @@ def pin_staging_ahead(store: Store, device: torch.device, staging_bytes: int = S
     they slowed the capture by as much as they saved (scripts/bench_first_pass.py)."""
     nbytes, count = staging_shape(store, staging_bytes)
     if device.type == "cuda" and nbytes:
-        Staging.pin_ahead(nbytes, min(count, store.num_chunks, 2 * chunk_read_threads()), device)
+        threads = chunk_read_threads()
+        Staging.pin_ahead(nbytes, min(count, store.num_chunks, 2 * threads), device,
+                          share=shared_read_process(threads).share)
 
 
 def wait_staging_pinned() -> None:

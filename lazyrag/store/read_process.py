@@ -109,9 +109,7 @@ class ReadProcess:
         waits: list[Future] = []
         with self._lock:
             child = self._running()
-            if buffer.id not in child.buffers:
-                child.send({"op": "buffer", "id": buffer.id}, (buffer.fd,))
-                child.buffers.add(buffer.id)
+            self._share(child, buffer)
             for start, n in pieces:
                 rid = next(self._ids)
                 child.waiting[rid] = done = Future()
@@ -126,6 +124,19 @@ class ReadProcess:
             if checksum:
                 crc = crc32c_combine(crc, int(answer["crc"]), n)
         return crc if checksum else None
+
+    def share(self, buffer: SharedBuffer) -> None:
+        """Map ``buffer`` in the process now, as its first read would. The process maps a buffer's
+        pages all at once, about twice as fast as a first read faulting them in one by one, and
+        done ahead it leaves that read only its copy (`scripts/bench_store.py --bounds`)."""
+        with self._lock:
+            self._share(self._running(), buffer)
+
+    @staticmethod
+    def _share(child: _Child, buffer: SharedBuffer) -> None:
+        if buffer.id not in child.buffers:
+            child.send({"op": "buffer", "id": buffer.id}, (buffer.fd,))
+            child.buffers.add(buffer.id)
 
     def start(self) -> None:
         """Start the process now (the first read would), before the GPU is busy."""

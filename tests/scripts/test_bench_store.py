@@ -21,3 +21,5 @@ def test_bench_store_reads_back_every_chunk_it_wrote(tmp_path):
         assert res[key] > 0, key
     for key in ("memcpy", "files", "files_crc"):
         assert res["bounds"][f"{key}_1"] > 0 and res["bounds"][f"{key}_3"] > 0, key
+    for key in ("first_read_faulted", "first_read_populated", "read_again"):
+        assert res["bounds"][key] > 0, key

@@ -5,6 +5,7 @@ the GPU tests pin real ones."""
 
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -106,6 +107,8 @@ def test_when_pinning_ahead_fails_readers_make_their_own_and_see_the_error():
 
 
 def test_pin_staging_ahead_pins_the_loaders_first_buffers_on_a_gpu_only(tmp_path, tiny, monkeypatch):
+    shared = []  # handed to the reader process as they are made, so that it maps them before any read
+    monkeypatch.setattr(loader, "shared_read_process", lambda threads: SimpleNamespace(share=shared.append))
     store = make_store(tmp_path, "random:tiny", chunk_tokens=48, dtype="bf16")
     nbytes, count = staging_shape(store)
     assert nbytes == store.max_padded_length() * store.settings.row_bytes and count >= 2
@@ -124,6 +127,7 @@ def test_pin_staging_ahead_pins_the_loaders_first_buffers_on_a_gpu_only(tmp_path
     pin_staging_ahead(store, torch.device("cuda", 0), staging_bytes=nbytes * 2)  # the budget: held already
     wait_staging_pinned()
     assert len(FakeBuffer.made) == store.num_chunks and {b.nbytes for b in FakeBuffer.made} == {nbytes}
+    assert shared == FakeBuffer.made
 
 
 def test_answer_starts_pinning_before_its_model_loads(tmp_path, tiny, monkeypatch):
