@@ -60,11 +60,20 @@ def device_crc32c(data: torch.Tensor) -> torch.Tensor:
         x, level = x.view(torch.uint8), level + 1
 
 
-def device_checks_work(device: torch.device) -> str | None:
-    """Compile the kernel (one variant serves every size), build the first levels' matrices, and
-    check known bytes' crc32c on ``device`` against the host's, so that the first chunk read waits
-    for none of it and a device that computes them wrongly (or cannot run the kernel) never fails
-    sound chunks as corrupt. None when they agree, else why not."""
+def levels(nbytes: int) -> int:
+    """bit_rows launches (tree levels) for the crc32c of ``nbytes`` bytes."""
+    count, rows = 1, -(-nbytes // ROW)
+    while rows > 1:
+        count, rows = count + 1, -(-rows // FOLD)
+    return count
+
+
+def device_checks_work(device: torch.device, largest: int = 0) -> str | None:
+    """Compile the kernel (one variant serves every size), build the matrices of every level a
+    range of ``largest`` bytes needs, and check known bytes' crc32c on ``device`` against the
+    host's, so that the first chunk read waits for none of it and a device that computes them
+    wrongly (or cannot run the kernel) never fails sound chunks as corrupt. None when they agree,
+    else why not."""
     gen = torch.Generator().manual_seed(0)
     try:
         for n in (1, ROW * FOLD + 1, ROW * FOLD * FOLD + 3):  # one, three and four levels
@@ -72,6 +81,8 @@ def device_checks_work(device: torch.device) -> str | None:
             got, want = int(device_crc32c(data.to(device))) & 0xFFFFFFFF, crc32c.crc32c(data.numpy())
             if got != want:
                 return f"the crc32c of {n} known bytes on {device} came out {got:#010x}, not {want:#010x}"
+        for level in range(levels(largest)):
+            level_matrix(level, device)
     except Exception as e:  # a kernel that does not compile or run here: the host checks instead
         return f"crc32c on {device} failed ({type(e).__name__}: {e})"
     return None

@@ -279,8 +279,9 @@ class ChunkLoader:
         self.device_room = min(staging_bytes, room // 4) if room is not None else staging_bytes
         self._device_held = 0
         self._device_lock = threading.Lock()
+        nbytes, count = staging_shape(store, staging_bytes)
         if self.check_on_device:
-            why_not = device_checks_work(pool.kv.device)
+            why_not = device_checks_work(pool.kv.device, largest=nbytes)
             if why_not is not None:
                 warn(f"{why_not}; chunk reads are checked on the host instead")
                 self.check_on_device = False
@@ -296,7 +297,6 @@ class ChunkLoader:
         self.stream = torch.cuda.Stream(pool.kv.device) if pool.kv.is_cuda else None
         self.row_bytes = store.settings.row_bytes  # fp8 rows carry their scales: the loader moves both
         self.staging = None
-        nbytes, count = staging_shape(store, staging_bytes)
         if nbytes:  # reads deeper than the buffers wait for one to come back
             self.staging = Staging(nbytes, count, pin=pool.kv.is_cuda)
 

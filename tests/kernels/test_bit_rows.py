@@ -87,9 +87,17 @@ def test_gpu_crc32c_of_an_8b_chunk_and_odd_sizes():
                            kernels.reference.bit_rows(small.cpu(), 5, torch.ones(512, 32, dtype=torch.float16)))
 
 
-def test_the_self_check_builds_the_first_levels_matrices_and_passes():
+def test_the_self_check_builds_every_level_the_largest_chunk_needs_and_passes(monkeypatch):
     from lazyrag.serve import device_checksums
 
+    assert [device_checksums.levels(n) for n in (1, 64, 65, 1024, 1025, 16384, 16385, 264 << 20)] == [
+        1, 1, 2, 2, 3, 3, 4, 7]  # an 8B model's 264 MB chunk: 7 launches
+    real, launches = kernels.bit_rows, []
+    monkeypatch.setattr(kernels, "bit_rows", lambda *a: launches.append(1) or real(*a))
+    for n in (65, 16385, 1_000_003):  # what levels() counts is what device_crc32c launches
+        launches.clear()
+        device_checksums.device_crc32c(torch.zeros(n, dtype=torch.uint8))
+        assert len(launches) == device_checksums.levels(n), n
     device_checksums._matrices.clear()
-    assert device_checksums.device_checks_work(torch.device("cpu")) is None
-    assert {(0, "cpu"), (1, "cpu"), (2, "cpu")} <= set(device_checksums._matrices)
+    assert device_checksums.device_checks_work(torch.device("cpu"), largest=264 << 20) is None
+    assert set(device_checksums._matrices) == {(level, "cpu") for level in range(7)}
