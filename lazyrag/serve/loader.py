@@ -131,9 +131,10 @@ class Staging:
     Pinning memory is slow and does not run in parallel (about 0.2 s per 277 MB buffer on an H200
     machine, 1.6 s for 8 on 8 threads), so buffers are kept for the process (handed from loader to
     loader), and `answer` has the first ones pinned on a thread of their own while its model loads
-    (`pin_staging_ahead`), each mapped by the reader process as soon as it is made. A reader thread that finds no buffer ready waits for that thread while it
-    owes one; otherwise it makes its own. A buffer is written again only after its last copy to the
-    GPU has run: the reader thread waits for that copy, not the engine.
+    (`pin_staging_ahead`), each mapped by the reader process as soon as it is made. A reader thread
+    that finds no buffer ready waits for that thread while it owes one; otherwise it makes its own.
+    A buffer is written again only after its last copy to the GPU has run: the reader thread waits
+    for that copy, not the engine.
     """
 
     # process-wide, by (size in bytes, pinned): the buffers ready, and those the pinning thread owes

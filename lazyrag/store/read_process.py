@@ -76,6 +76,11 @@ class _Child:
         except OSError:
             pass  # the process died: its answer thread fails what waits
 
+    def share(self, buffer: SharedBuffer) -> None:
+        if buffer.id not in self.buffers:
+            self.send({"op": "buffer", "id": buffer.id}, (buffer.fd,))
+            self.buffers.add(buffer.id)
+
     def stop(self) -> None:
         try:
             self.sock.shutdown(socket.SHUT_RDWR)  # wakes the answer thread; the process sees the end
@@ -109,7 +114,7 @@ class ReadProcess:
         waits: list[Future] = []
         with self._lock:
             child = self._running()
-            self._share(child, buffer)
+            child.share(buffer)
             for start, n in pieces:
                 rid = next(self._ids)
                 child.waiting[rid] = done = Future()
@@ -130,13 +135,7 @@ class ReadProcess:
         pages all at once, about twice as fast as a first read faulting them in one by one, and
         done ahead it leaves that read only its copy (`scripts/bench_store.py --bounds`)."""
         with self._lock:
-            self._share(self._running(), buffer)
-
-    @staticmethod
-    def _share(child: _Child, buffer: SharedBuffer) -> None:
-        if buffer.id not in child.buffers:
-            child.send({"op": "buffer", "id": buffer.id}, (buffer.fd,))
-            child.buffers.add(buffer.id)
+            self._running().share(buffer)
 
     def start(self) -> None:
         """Start the process now (the first read would), before the GPU is busy."""
