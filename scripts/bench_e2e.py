@@ -190,7 +190,6 @@ class Sweep:
     prefill_graphs: bool = True  # prefill steps' layers replayed from CUDA graphs (False: op by op)
     read_threads: int = 0     # chunk reads at once (0: the loader's default)
     host_checksums: bool = False  # reads' crc32c checked in the reader process, not on the GPU
-    decode_between: bool = False  # the scheduler's DECODE_BETWEEN_PREFILLS
 
 
 def batch_sweep(kw: dict, loaded, store, prompts, questions, cache_gb: float, args, model: str, save, out,
@@ -209,8 +208,6 @@ def batch_sweep(kw: dict, loaded, store, prompts, questions, cache_gb: float, ar
         configs += [Sweep("lazy", requests=n, read_threads=t) for t in args.read_threads[1:]]
         if args.host_checksums_too:  # the same run with the reads checked on the host
             configs.append(Sweep("lazy", requests=n, host_checksums=True))
-        if args.decode_between_prefills_too:  # the same run with a decode step after each prefill step
-            configs.append(Sweep("lazy", requests=n, decode_between=True))
         if args.eager_prefill_too:  # the same run with prefill steps launched op by op
             configs.append(Sweep("lazy", requests=n, prefill_graphs=False))
         if args.per_request_too:  # lazy with each request reading its own pages: what chunk-major buys
@@ -228,7 +225,7 @@ def batch_sweep(kw: dict, loaded, store, prompts, questions, cache_gb: float, ar
             configs += [Sweep("lazy", f, reuse=r, order=o, workload="uniform", requests=n)
                         for f in args.recompute if f for r, o in ((True, "given"), (True, "popular"), (False, "given"))]
     cold = [c for c in configs if c.mode == "lazy" and c.workload == "zipf" and c.prefill_graphs and not c.read_threads
-            and not c.host_checksums and not c.decode_between]
+            and not c.host_checksums]
     if args.warm:  # each lazy and block run again, on a cache warmed by one untimed pass
         configs += [dataclasses.replace(c, warm=True) for c in configs
                     if c.mode != "full" and not c.read_threads and not c.host_checksums]
@@ -246,7 +243,6 @@ def batch_sweep(kw: dict, loaded, store, prompts, questions, cache_gb: float, ar
                 if c.disk:
                     evict(store.path)
                 with setting("lazyrag.serve.runner", "PREFILL_GRAPH_TOKENS", None if c.prefill_graphs else 0), \
-                        setting("lazyrag.serve.scheduler", "DECODE_BETWEEN_PREFILLS", c.decode_between or None), \
                         loader_defaults(**({"check_on_device": False} if c.host_checksums else {})):
                     r = run(engine_args, loaded, store, c.mode, source[:n], questions[:n], cache_gb, bs,
                             warm=c.warm, order=c.order)
@@ -262,8 +258,6 @@ def batch_sweep(kw: dict, loaded, store, prompts, questions, cache_gb: float, ar
                 r["mode"] = f"lazy, {c.read_threads} chunk reads at once"
             if c.host_checksums:
                 r["mode"] = "lazy, crc32c on the host"
-            if c.decode_between:
-                r["mode"] = "lazy, a decode between prefills"
             r.update(recompute=c.fraction, policy=args.recompute_policy, page_size=args.page_size, reuse=c.reuse,
                      order=c.order, workload=c.workload, sweep_requests=c.requests, disk=c.disk)
             r.update(recompute_floor(loaded, r, store))
@@ -644,12 +638,9 @@ def bench_model(model: str, args, root: Path, save) -> dict:
         variants += [(f"cold, {gb:g} GB of staging", None, {"staging_bytes": int(gb * 2**30)}) for gb in args.staging_gb]
         if args.host_checksums_too:
             variants.append(("cold, crc32c on the host", None, {"check_on_device": False}))
-        if args.decode_between_prefills_too:
-            variants.append(("cold, a decode between prefills", None, {}))
         for name, threads, loader_kw in variants:
             use_read_threads(threads or (args.read_threads[0] if args.read_threads else None))
-            between = name == "cold, a decode between prefills" or None
-            with loader_defaults(**loader_kw), setting("lazyrag.serve.scheduler", "DECODE_BETWEEN_PREFILLS", between):
+            with loader_defaults(**loader_kw):
                 if "staging_bytes" in loader_kw:  # once untimed first: new staging buffers are pinned as first written
                     run(kw, loaded, store, "lazy", zipf[:args.step_log], questions, cache, args.batch_size)
                 out["step_log"][name] = step_log_run(kw, loaded, store, zipf[:args.step_log], questions, cache,
@@ -901,10 +892,6 @@ def main() -> None:
     ap.add_argument("--host-checksums-too", action="store_true",
                     help="also run each cold lazy Zipf count of the batch sweep (and, with --step-log, a cold "
                          "run) with the chunks' crc32c checked in the reader process instead of on the GPU")
-    ap.add_argument("--decode-between-prefills-too", action="store_true",
-                    help="also run each lazy Zipf count of the batch sweep, cold and with --warm warm (and, with "
-                         "--step-log, a cold run), with the running batch decoding once after each prefill step "
-                         "before more are admitted (the scheduler's DECODE_BETWEEN_PREFILLS)")
     ap.add_argument("--trace", action="store_true",
                     help="with --profile, also write each profiled run's trace (cold and warm) to "
                          "$OUT/trace-<run>.json.gz (Chrome trace format), the engine's host phases labelled")

@@ -43,10 +43,6 @@ OPEN_STREAM_POLL_S = 0.001
 # chunks of the batch after the running one are read while it runs. With 64 at batch 128, a
 # 200-request cold run on an H200 started its last reads only when its second wave was admitted.
 LOOKAHEAD = 64
-# After each prefill step, the running batch decodes once before more are admitted. Off: while a
-# cold run's chunks arrive a few at a time, every step admits the few just read, and nobody decodes
-# until the batch is full.
-DECODE_BETWEEN_PREFILLS = False
 
 
 @dataclass
@@ -92,7 +88,6 @@ class Scheduler:
         self._source = iter(sequences)
         self._exhausted = False
         self._alone: set[int] = set()  # id() of sequences to admit in a prefill step of their own
-        self._decode_owed = False  # DECODE_BETWEEN_PREFILLS: the last step was a prefill
         self.steps = steps if steps is not None else StepCounts()
 
     def schedule(self) -> Step | None:
@@ -101,10 +96,8 @@ class Scheduler:
         then; while an open stream has nothing yet, it asks again every OPEN_STREAM_POLL_S."""
         while True:
             stream_idle = self._read_ahead()
-            owed, self._decode_owed = self._decode_owed and bool(self.running), False
-            admitted = [] if owed else self._admit(time.perf_counter())
+            admitted = self._admit(time.perf_counter())
             if admitted:
-                self._decode_owed = DECODE_BETWEEN_PREFILLS
                 return self.steps.add(Step(admitted, prefill=True))
             if self.running:
                 return self.steps.add(Step(list(self.running), prefill=False))

@@ -10,7 +10,6 @@ from serve_fakes import PAGE_SIZE, PREAMBLE, chunk, make_cache, sequence
 
 from lazyrag.serve.modes import Lazy
 from lazyrag.serve.paged import OutOfPages
-from lazyrag.serve import scheduler
 from lazyrag.serve.scheduler import LOOKAHEAD, OPEN_STREAM_POLL_S, Scheduler
 
 A, B, C = chunk("a", 8), chunk("b", 8), chunk("c", 8)  # 2 pages each
@@ -208,21 +207,6 @@ def test_a_request_whose_chunks_are_all_resident_passes_one_whose_chunks_are_sti
     assert [s.id for s in sched.waiting] == ["4"]
 
 
-
-
-def test_with_a_decode_between_prefills_the_running_batch_decodes_once_before_each_admission(monkeypatch):
-    monkeypatch.setattr(scheduler, "DECODE_BETWEEN_PREFILLS", True)
-    seqs = [sequence("1", [A], QUESTION, 3), sequence("2", [B], QUESTION, 3), sequence("3", [C], QUESTION, 3)]
-    sched, _, loader = setup(32, seqs)
-    loader.in_flight = {"b", "c"}
-    steps = [sched.schedule()]  # 1 alone: its a is read at its placement
-    loader.in_flight = {"c"}  # b arrives: 2 could be admitted now, but the running 1 decodes first
-    steps.append(sched.schedule())
-    steps.append(sched.schedule())
-    loader.in_flight = set()
-    steps += [sched.schedule(), sched.schedule(), sched.schedule()]
-    assert [(s.prefill, [q.id for q in s.batch]) for s in steps] == [
-        (True, ["1"]), (False, ["1"]), (True, ["2"]), (False, ["1", "2"]), (True, ["3"]), (False, ["1", "2", "3"])]
 
 
 def test_steps_are_counted_with_the_sequences_they_hold():
