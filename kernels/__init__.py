@@ -5,8 +5,9 @@ rotate the query by each page's delta inside the kernel, so one stored copy of a
 every request at every offset (optionally with APE's temperature and scale on a range of each
 request's entries); ``shared_prefill`` and ``shared_decode`` do the same chunk-major, reading
 each chunk page once per step for every request using it (``group_shared``, ``plan_shared``);
-``rotate_copy`` re-rotates pages for the block baseline; ``bit_rows`` applies a GF(2) matrix to
-64-byte rows (the device's crc32c of a chunk). Pages are fp16, bf16,
+``rotate_copy`` re-rotates pages for the block baseline; ``rows_to_pages`` writes a chunk's
+token-major rows into pool pages; ``bit_rows`` applies a GF(2) matrix to 64-byte rows (the
+device's crc32c of a chunk). Pages are fp16, bf16,
 fp32, or float8 e4m3 with a scale per (token, KV head) (``quantize_fp8``). CUDA
 tensors run the Triton kernels, CPU tensors the PyTorch ``reference`` (or, inside
 ``cpu_backend("triton")``, the Triton interpreter). docs/kernels.md is the contract: positions,
@@ -29,7 +30,7 @@ from .shared_plan import PlanLayout, SharedPlan, check_plan, empty_plan, plan_sh
 __all__ = ["PageTable", "lazy_prefill", "lazy_decode", "rotate_copy", "reference", "rope", "backend",
            "cpu_backend", "ape_enabled", "check_ape", "FP8", "quantize_fp8", "dequantize_fp8", "fp8_supported",
            "SharedPages", "group_shared", "SharedPlan", "PlanLayout", "plan_shared", "empty_plan", "shared_prefill",
-           "shared_decode", "bit_rows"]
+           "shared_decode", "bit_rows", "rows_to_pages"]
 
 
 def _check_prefill_layout(q: Tensor, pages: PageTable, cu_seqlens_q: Tensor, q_pos: Tensor) -> None:
@@ -124,3 +125,22 @@ def bit_rows(data: Tensor, pad: int, matrix: Tensor, xor: int = 0) -> Tensor:
     if not 0 <= pad < 64:
         raise ValueError(f"pad must be 0..63 bytes, got {pad}")
     return implementation(data).bit_rows(data, pad, matrix, xor)
+
+
+def rows_to_pages(rows: Tensor, pool: Tensor, pages: Tensor) -> None:
+    """Write a chunk's rows into pool pages: ``pool[kv, layer, pages[i], j] = rows[i * page_size + j,
+    layer, kv]``. rows: [len(pages) * page_size, layers, 2, *unit], the store's token-major layout;
+    pool: [2, layers, num_pages, page_size, *unit]; both contiguous, of one dtype and device;
+    pages: a vector of distinct page ids (integers) on that device."""
+    kinds, layers, num_pages, page_size = pool.shape[:4]
+    want = (pages.numel() * page_size, layers, kinds, *pool.shape[4:])
+    if tuple(rows.shape) != want or rows.dtype != pool.dtype:
+        raise ValueError(f"rows must be {pool.dtype} of shape {want} for this pool, got {rows.dtype} "
+                         f"{tuple(rows.shape)}")
+    if not (rows.is_contiguous() and pool.is_contiguous()):
+        raise ValueError("rows and pool must be contiguous")
+    if pages.dim() != 1 or pages.dtype.is_floating_point or pages.is_complex():
+        raise ValueError(f"pages must be a vector of integer page ids, got {pages.dtype} {tuple(pages.shape)}")
+    if not rows.device == pool.device == pages.device:
+        raise ValueError(f"rows ({rows.device}), pool ({pool.device}) and pages ({pages.device}) must share a device")
+    return implementation(pool).rows_to_pages(rows, pool, pages)

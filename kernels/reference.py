@@ -212,3 +212,10 @@ def bit_rows(data: Tensor, pad: int, matrix: Tensor, xor: int = 0) -> Tensor:
         words.append((parity * powers).sum(1) ^ (xor & 0xFFFFFFFF))
     out = torch.cat(words) if words else torch.zeros(0, dtype=torch.int64, device=data.device)
     return torch.where(out >= 1 << 31, out - (1 << 32), out).to(torch.int32)
+
+
+def rows_to_pages(rows: Tensor, pool: Tensor, pages: Tensor) -> None:
+    """A chunk's token-major rows into pool pages (see kernels.rows_to_pages)."""
+    kinds, layers, num_pages, page_size = pool.shape[:4]
+    x = rows.reshape(pages.numel(), page_size, layers, kinds, -1).permute(3, 2, 0, 1, 4)
+    pool.view(kinds, layers, num_pages, page_size, -1)[:, :, pages] = x

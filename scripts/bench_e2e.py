@@ -23,6 +23,7 @@ import os
 import random
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -44,6 +45,19 @@ def sync() -> None:
 
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+
+
+def allocations() -> dict[str, float]:
+    """Counters of the allocations that synchronise a GPU: pinned host blocks made (and the
+    microseconds spent making them), device segments made (cudaMalloc), and retries after one
+    failed (which free every cached block). Empty without CUDA."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return {}
+    host, device = torch.cuda.memory.host_memory_stats(), torch.cuda.memory_stats()
+    return {"pinned_allocs": host.get("num_host_alloc", 0), "pinned_alloc_ms": host.get("host_alloc_time.total", 0) / 1e3,
+            "device_segments": device.get("segment.all.allocated", 0), "alloc_retries": device.get("num_alloc_retries", 0)}
 
 
 def free_cache() -> None:
@@ -111,11 +125,13 @@ def run(engine_args: dict, loaded, store, mode: str, prompts, questions, cache_g
         engine.cache.reset_counters()
         engine.steps = StepCounts()
     sync()
+    before = allocations()
     with timed():
         t0 = time.perf_counter()
         engine.run(requests(t0), done.append)
         sync()
         seconds = time.perf_counter() - t0
+    made = {k: round(v - before[k], 1) for k, v in allocations().items()}
     c, steps = engine.cache.counters, engine.steps
     engine.close()
     out_tokens = sum(len(r.generated) for r in done)
@@ -130,7 +146,7 @@ def run(engine_args: dict, loaded, store, mode: str, prompts, questions, cache_g
         "bytes_read": c.bytes_read,
         "evictions": c.evictions, "read_wait_s": round(c.read_wait_s, 3), "warm": warm,
         "host_cache_gb": engine_args.get("host_cache_bytes", 0) / 2**30, "host_hits": c.host_hits,
-        "read_ahead": c.read_ahead, "order": order,
+        "read_ahead": c.read_ahead, "order": order, "allocations": made,
         "recomputed_tokens_per_req": round(c.recomputed_tokens / max(1, len(done)), 1),
         "reused_tokens_per_req": round(c.reused_tokens / max(1, len(done)), 1), "reuse_ratio": round(c.reuse_ratio, 4),
         "prefill_steps": steps.prefills, "prefill_batch_mean": round(steps.prefilled / max(1, steps.prefills), 1),
@@ -408,16 +424,17 @@ def labelled_phases():
 
 @contextlib.contextmanager
 def logged_phases(log: list):
-    """The engine's host phases appended to `log` as (label, start, end, sequences) on the
-    perf_counter clock, without a profiler's cost per operation (sequences: a step's, else 0)."""
+    """The engine's host phases appended to `log` as (label, start, end, sequences, cpu) on the
+    perf_counter clock, without a profiler's cost per operation (sequences: a step's, else 0;
+    cpu: the calling thread's CPU seconds inside, so wall minus cpu is time spent waiting)."""
     def wrap(fn, label):
         def wrapped(*a, **k):
-            t = time.perf_counter()
+            t, cpu = time.perf_counter(), time.thread_time()
             try:
                 return fn(*a, **k)
             finally:
                 n = len(a[1]) if len(a) > 1 and isinstance(a[1], list) else 0
-                log.append((label.removeprefix("lazyrag."), t, time.perf_counter(), n))
+                log.append((label.removeprefix("lazyrag."), t, time.perf_counter(), n, time.thread_time() - cpu))
         return wrapped
 
     with wrapped_phases(wrap):
@@ -427,25 +444,26 @@ def logged_phases(log: list):
 @contextlib.contextmanager
 def wrapped_phases(wrap):
     """The engine's host phases each wrapped by `wrap(function, label)` while the context lasts."""
-    from lazyrag.serve import engine, loader, runner, scheduler, sharing
+    from lazyrag.serve import cuda_graphs, engine, loader, paged, runner, scheduler, sharing
     from lazyrag.serve.paged import StepInputs
 
-    targets = [(engine.Engine, "_choose_recompute"), (engine.Engine, "_accept"), (runner.Runner, "prefill"),
-               (runner.Runner, "decode"), (runner.Runner, "row_attention"), (scheduler.Scheduler, "schedule"),
-               (scheduler.Scheduler, "retire"), (scheduler.Scheduler, "_admit"), (loader.ChunkLoader, "load"),
-               (sharing.ChunkMajor, "upload"), (sharing.ChunkMajor, "plan"),
-               (sharing.ChunkMajor, "cut")]
+    targets = [(engine.Engine, "_choose_recompute"), (engine.Engine, "_accept"), (engine.Engine, "_sample"),
+               (runner.Runner, "prefill"), (runner.Runner, "decode"), (runner.Runner, "row_attention"),
+               (scheduler.Scheduler, "schedule"), (scheduler.Scheduler, "retire"), (scheduler.Scheduler, "_admit"),
+               (loader.ChunkLoader, "load"), (sharing.ChunkMajor, "upload"), (sharing.ChunkMajor, "plan"),
+               (sharing.ChunkMajor, "cut"), (cuda_graphs.PrefillGraphs, "run")]
     originals = [(cls, name, cls.__dict__[name]) for cls, name in targets]
     for cls, name, fn in originals:
         setattr(cls, name, wrap(fn, f"lazyrag.{cls.__name__}.{name}"))
-    upload = StepInputs.__dict__["upload"]
+    upload, pack = StepInputs.__dict__["upload"], paged.pack_step
     StepInputs.upload = classmethod(wrap(upload.__func__, "lazyrag.StepInputs.upload"))
+    paged.pack_step = wrap(pack, "lazyrag.pack_step")
     try:
         yield
     finally:
         for cls, name, fn in originals:
             setattr(cls, name, fn)
-        StepInputs.upload = upload
+        StepInputs.upload, paged.pack_step = upload, pack
 
 
 @contextlib.contextmanager
@@ -544,12 +562,28 @@ def step_log_run(engine_args: dict, loaded, store, prompts, questions, cache_gb:
     and for how long, how long the host waited for the GPU, and when chunks were loaded."""
     log: list = []
     t0 = []
+    late: list[tuple[float, float]] = []  # (when, how late) of each wake of a thread that sleeps 0.5 ms
+
+    def gil_probe(stop: threading.Event) -> None:
+        # a sleeping thread wakes late when it must wait for the GIL (or a core)
+        while not stop.is_set():
+            t = time.perf_counter()
+            time.sleep(0.0005)
+            now = time.perf_counter()
+            late.append((now, now - t - 0.0005))
 
     @contextlib.contextmanager
     def timed():
+        stop = threading.Event()
+        probe = threading.Thread(target=gil_probe, args=(stop,), daemon=True)
         with logged_phases(log):
             t0.append(time.perf_counter())
-            yield
+            probe.start()
+            try:
+                yield
+            finally:
+                stop.set()
+                probe.join()
 
     r = run(engine_args, loaded, store, "lazy", prompts, questions, cache_gb, batch_size, warm=warm, timed=timed)
     start = t0[0]
@@ -561,19 +595,37 @@ def step_log_run(engine_args: dict, loaded, store, prompts, questions, cache_gb:
         return [e for e in log if e[0] == name]
 
     def total_ms(name: str) -> float:
-        return round(sum(b - a for _, a, b, _ in phase(name)) * 1e3, 1)
+        return round(sum(e[2] - e[1] for e in phase(name)) * 1e3, 1)
+
+    def inside_ms(name: str, a: float, b: float) -> float:
+        return round(sum(e[2] - e[1] for e in phase(name) if a <= e[1] and e[2] <= b) * 1e3, 1)
+
+    def prefill(e) -> dict:
+        _, a, b, n, cpu = e
+        lates = [x for t, x in late if a <= t <= b]
+        return {"at_ms": ms(a), "host_ms": round((b - a) * 1e3, 1), "cpu_ms": round(cpu * 1e3, 1), "sequences": n,
+                **{f"{k}_ms": inside_ms(name, a, b) for k, name in
+                   (("cut", "ChunkMajor.cut"), ("plan", "ChunkMajor.plan"), ("pack", "pack_step"),
+                    ("upload", "StepInputs.upload"), ("graphs", "PrefillGraphs.run"))},
+                "gil_late_max_ms": round(max(lates, default=0) * 1e3, 1)}
 
     decodes, loads = phase("Runner.decode"), phase("ChunkLoader.load")
-    summary = {"seconds": r["seconds"], "req_per_s": r["req_per_s"], "warm": warm,
-               "prefills": [{"at_ms": ms(a), "host_ms": round((b - a) * 1e3, 1), "sequences": n}
-                            for _, a, b, n in phase("Runner.prefill")],
+    lates = sorted(x for _, x in late)
+    summary = {"seconds": r["seconds"], "req_per_s": r["req_per_s"], "warm": warm, "allocations": r["allocations"],
+               "prefills": [prefill(e) for e in phase("Runner.prefill")],
                "decode_steps": len(decodes), "decode_host_ms": total_ms("Runner.decode"),
+               "decode_cpu_ms": round(sum(e[4] for e in decodes) * 1e3, 1),
                "first_decode_ms": ms(decodes[0][1]) if decodes else None,
                "accept_wait_ms": total_ms("Engine._accept"), "schedule_ms": total_ms("Scheduler.schedule"),
+               "schedule_cpu_ms": round(sum(e[4] for e in phase("Scheduler.schedule")) * 1e3, 1),
                "cut_ms": total_ms("ChunkMajor.cut"), "plan_ms": total_ms("ChunkMajor.plan"),
-               "loads": len(loads), "last_load_ms": ms(loads[-1][2]) if loads else None,
-               "loads_by_100ms": [sum(1 for _, a, _, _ in loads if k <= (a - start) * 10 < k + 1)
-                                  for k in range(int(r["seconds"] * 10) + 1)]}
+               "sample_ms": total_ms("Engine._sample"),
+               "loads": len(loads), "load_ms": total_ms("ChunkLoader.load"),
+               "last_load_ms": ms(loads[-1][2]) if loads else None,
+               "loads_by_100ms": [sum(1 for e in loads if k <= (e[1] - start) * 10 < k + 1)
+                                  for k in range(int(r["seconds"] * 10) + 1)],
+               "gil_late_ms": {q: round(lates[min(len(lates) - 1, int(f * len(lates)))] * 1e3, 2) if lates else None
+                               for q, f in (("p50", 0.5), ("p90", 0.9), ("p99", 0.99), ("max", 1.0))}}
     print(f"step log ({'warm' if warm else 'cold'}, {len(prompts)} requests): {json.dumps(summary)}", flush=True)
     return summary
 

@@ -8,10 +8,11 @@ is read while the GPU works. At most half the cores' worth of chunks are read at
 which writes the staging buffers it shares with this one: on an H200 machine (16 cores) 8
 reader threads in the serving process slowed the step loop's launches 1.5x, the same reads in
 another process not at all (scripts/bench_read_contention.py). On a GPU a read ends on the GPU:
-its reader thread copies the bytes there on a stream of its own and checks their crc32c there
-(lazyrag/serve/device_checksums.py), which leaves the reader process's cores a copy out of the
-page cache per byte and no checksum pass; a corrupt chunk fails its read as on the host. Loading
-it then copies it into its pages on the loader's copy stream, which waits for nothing on the
+its reader thread copies the bytes there on a stream of its own, into one of the buffers made
+with the loader (DeviceCopies), and checks their crc32c there (lazyrag/serve/device_checksums.py),
+which leaves the reader process's cores a copy out of the page cache per byte and no checksum
+pass; a corrupt chunk fails its read as on the host. Loading it then writes it into its pages
+(kernels.rows_to_pages) on the loader's copy stream, which waits for nothing on the
 compute stream: the pages it fills are free, so no kernel in flight reads them (the engine drains
 the GPU before it frees pages a failed step may still touch). Compute waits only for the copy of
 a chunk it is about to read (`after_copy`).
@@ -28,7 +29,6 @@ import contextlib
 import os
 import threading
 import time
-import weakref
 from collections import OrderedDict, deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -242,6 +242,38 @@ def wait_staging_pinned() -> None:
         Staging._ready.wait_for(lambda: not any(Staging._owed.values()))
 
 
+class DeviceCopies:
+    """Buffers on the pool's device that staged reads are copied into and checked in, all made
+    with the loader: a device allocation under a cold run waits for every copy in flight, and
+    buffers made per reader thread's stream are not shared between them. A read takes one (none
+    free: it is checked on the host); its load gives it back with the event of the copy out of
+    it, which the next read's copy into it waits for on the device."""
+
+    def __init__(self, nbytes: int, count: int, device: torch.device):
+        self.nbytes, self.count = nbytes, count
+        self.memory = torch.empty(count * nbytes, dtype=torch.uint8, device=device)
+        self.free: deque[tuple[int, torch.cuda.Event | None]] = deque((i, None) for i in range(count))
+        self._lock = threading.Lock()
+
+    def take(self) -> tuple[int, torch.cuda.Event | None] | None:
+        with self._lock:
+            return self.free.popleft() if self.free else None
+
+    def buffer(self, index: int, nbytes: int) -> torch.Tensor:
+        return self.memory[index * self.nbytes: index * self.nbytes + nbytes]
+
+    def give(self, index: int, copied: torch.cuda.Event | None = None) -> None:
+        with self._lock:
+            self.free.append((index, copied))
+
+    def close(self) -> None:
+        """Wait for the copies out of the buffers: their memory goes back to torch after this."""
+        with self._lock:
+            for _, copied in self.free:
+                if copied is not None:
+                    copied.synchronize()
+
+
 @dataclass
 class _Read:
     """One chunk read: started by the look-ahead (a future) or on demand."""
@@ -252,6 +284,7 @@ class _Read:
     buf: SharedBuffer | None = None  # the staging buffer, once the reader has it
     future: Future | None = None
     on_device: torch.Tensor | None = None  # its bytes on the pool's device, checked there
+    copy: int | None = None  # the DeviceCopies buffer holding on_device
 
 
 def chunk_read_threads() -> int:
@@ -265,8 +298,9 @@ class ChunkLoader:
 
     read_threads: chunk reads at once (default: chunk_read_threads());
     staging_bytes: the most bytes read ahead and not yet loaded (the staging buffers, one per
-    chunk, made when first used; on a GPU each such read also holds its copy there, within a
-    quarter of the memory free when the loader is made: past it, reads are checked on the host);
+    chunk, made when first used; on a GPU each such read also holds its copy there, in buffers
+    made with the loader within a quarter of the memory free: past them, reads are checked on
+    the host);
     check_on_device: check a staged read's crc32c on the pool's device (default: on a GPU), not in
     the reader process, once known bytes' crc32c there is found right (else ``warn`` says why)."""
 
@@ -275,17 +309,20 @@ class ChunkLoader:
         self.store, self.pool = store, pool
         self.check_on_device = pool.kv.is_cuda if check_on_device is None else check_on_device
         self._thread = threading.local()  # a reader thread's CUDA stream
-        # the bytes reads' copies may hold on the device, so that they never take the steps' working memory
-        room = available_bytes(pool.kv.device) if pool.kv.is_cuda else None
-        self.device_room = min(staging_bytes, room // 4) if room is not None else staging_bytes
-        self._device_held = 0
-        self._device_lock = threading.Lock()
         nbytes, count = staging_shape(store, staging_bytes)
         if self.check_on_device:
             why_not = device_checks_work(pool.kv.device, largest=nbytes)
             if why_not is not None:
                 warn(f"{why_not}; chunk reads are checked on the host instead")
                 self.check_on_device = False
+        self.device_copies = None
+        if self.check_on_device and nbytes:
+            # within a quarter of the memory free, so that they never take the steps' working memory
+            room = available_bytes(pool.kv.device) if pool.kv.is_cuda else None
+            room = min(staging_bytes, room // 4) if room is not None else staging_bytes
+            copies = min(room // nbytes, count, store.num_chunks)
+            if copies:
+                self.device_copies = DeviceCopies(nbytes, copies, pool.kv.device)
         self.host = _HostTier(int(host_cache_bytes))
         threads = read_threads or chunk_read_threads()
         # these threads only wait: the reads themselves run in the reader process
@@ -338,7 +375,12 @@ class ChunkLoader:
         else:
             host, read = self._wait_read(info, report)
             from_device = read.on_device is not None
-            report.copied = self._to_pool(read.on_device if from_device else host, pages)
+            try:
+                report.copied = self._to_pool(read.on_device if from_device else host, pages)
+            finally:
+                if from_device:  # the next read into this buffer waits for the copy out of it
+                    self.device_copies.give(read.copy, report.copied)
+                    read.on_device = read.copy = None
             # a copy from the device copy leaves the buffer free: the reader thread already waited for its reads
             self._keep(info.chunk_id, host, read.buf, None if from_device else report.copied)
         report.bytes_to_gpu = host.numel() * host.element_size()
@@ -359,8 +401,6 @@ class ChunkLoader:
         if self.stream is None:
             self.pool.write_tokens(pages, kv)
             return None
-        if kv.is_cuda:
-            kv.record_stream(self.stream)  # made on a reader thread's stream, freed after this copy has run
         with torch.cuda.stream(self.stream):
             self.pool.write_tokens(pages, kv)
         copied = torch.cuda.Event()
@@ -399,51 +439,42 @@ class ChunkLoader:
         host = self.store.read_kv(read.info, out=buf.tensor[: read.nbytes].view(dtype).view(shape), whole=True,
                                   into_out=into_buffer, verify=not on_device)
         if on_device:
-            read.on_device = self._checked_on_device(read.info, host)
+            self._check_on_device(read, host)
         return host
 
-    def _checked_on_device(self, info: ChunkInfo, host: torch.Tensor) -> torch.Tensor | None:
-        """The chunk's bytes copied to the pool's device, their crc32c checked there (ChunkReadError
-        when it is not the catalog's); None when the device has no room for the copy (past
-        ``device_room``, or out of memory): then they are checked here, and loaded from the host.
+    def _check_on_device(self, read: _Read, host: torch.Tensor) -> None:
+        """The chunk's bytes copied into a DeviceCopies buffer, their crc32c checked there
+        (ChunkReadError when it is not the catalog's): read.on_device and read.copy. When no
+        buffer is free (or the device fails), they are checked here and loaded from the host.
         A reader thread calls this."""
         raw = host.view(-1).view(torch.uint8)
-        on_device = crc = None
-        held = self._hold_device(raw.numel())
-        if held:
-            with self._own_stream(self.pool.kv.device) as stream:
-                try:
-                    on_device = raw.to(self.pool.kv.device, non_blocking=True)
-                    crc = device_crc32c(on_device).to("cpu", non_blocking=True)
-                except torch.OutOfMemoryError:
-                    on_device = crc = None
-                if stream is not None:
-                    stream.synchronize()  # whatever was queued has run: the staging buffer may be written again
-        if crc is None:  # no room on the device
-            if held:
-                self._release_device(raw.numel())
-            self.store.check_crc(info, crc32c.crc32c(raw.numpy()))
-            return None
+        taken = self.device_copies.take() if self.device_copies is not None else None
+        crc = None
+        if taken is not None:
+            index, copied = taken
+            on_device = self.device_copies.buffer(index, raw.numel())
+            try:
+                with self._own_stream(self.pool.kv.device) as stream:
+                    try:
+                        if stream is not None and copied is not None:
+                            stream.wait_event(copied)  # the last load's copy out of this buffer
+                        on_device.copy_(raw, non_blocking=True)
+                        crc = device_crc32c(on_device).to("cpu", non_blocking=True)
+                    except torch.OutOfMemoryError:  # the check's own small tensors
+                        crc = None
+                    if stream is not None:
+                        stream.synchronize()  # whatever was queued has run: the staging buffer may be written again
+            finally:
+                if crc is None:
+                    self.device_copies.give(index)
+        if crc is None:  # no buffer on the device
+            self.store.check_crc(read.info, crc32c.crc32c(raw.numpy()))
+            return
         got = int(crc) & 0xFFFFFFFF
-        if got != info.checksum:
-            del on_device  # the error's traceback must not keep the copy alive
-            self._release_device(raw.numel())
-            self.store.check_crc(info, got)  # raises
-        kv = on_device.view(host.dtype).view(host.shape)
-        weakref.finalize(kv, self._release_device, raw.numel())  # once loaded, or dropped unloaded
-        return kv
-
-    def _hold_device(self, nbytes: int) -> bool:
-        """Count ``nbytes`` of a read's copy on the device, if they fit its room."""
-        with self._device_lock:
-            if self._device_held + nbytes > self.device_room:
-                return False
-            self._device_held += nbytes
-            return True
-
-    def _release_device(self, nbytes: int) -> None:
-        with self._device_lock:
-            self._device_held -= nbytes
+        if got != read.info.checksum:
+            self.device_copies.give(index)
+            self.store.check_crc(read.info, got)  # raises
+        read.on_device, read.copy = on_device.view(host.dtype).view(host.shape), index
 
     @contextlib.contextmanager
     def _own_stream(self, device: torch.device):
@@ -496,8 +527,14 @@ class ChunkLoader:
             self.staging.give(None)  # the tier grew by a buffer: staging pins a new one when it needs it
 
     def _give_back(self, read: _Read | None) -> None:
-        """A failed or abandoned read's staging buffer, which nothing was copied from."""
-        if read is None or read.slot is None:
+        """A failed or abandoned read's staging buffer (and copy on the device), which nothing was
+        copied from."""
+        if read is None:
+            return
+        if read.copy is not None:
+            self.device_copies.give(read.copy)
+            read.on_device = read.copy = None
+        if read.slot is None:
             return
         self.staging.give(*((read.buf, None) if read.buf is not None else read.slot))
 
@@ -512,3 +549,5 @@ class ChunkLoader:
         self.pending.clear()
         self.wanted = []
         self.host.entries.clear()
+        if self.device_copies is not None:
+            self.device_copies.close()

@@ -141,16 +141,15 @@ class PagePool:
     def write_tokens(self, pages: list[int], kv: torch.Tensor) -> None:
         """kv: rows in the store's layout [tokens (whole pages), *StoreSettings.row_shape]: [layers, 2,
         kv_heads, head_dim], or for an fp8 pool packed rows (values and scale), unpacked on the device."""
-        n = len(pages)
         # non_blocking for the page ids too: a blocking copy would wait for the whole copy stream
         at = torch.tensor(pages).to(self.kv.device, non_blocking=True)
-        x = kv.view(n, self.page_size, *kv.shape[1:]).to(self.kv.device, non_blocking=True)
+        x = kv.to(self.kv.device, non_blocking=True)
         if self.scales is None:
-            self.kv[:, :, at] = x.permute(3, 2, 0, 1, 4, 5)
+            kernels.rows_to_pages(x.contiguous(), self.kv, at)
             return
         values, scales = unpack_fp8_rows(x)
-        self.kv[:, :, at] = values.permute(3, 2, 0, 1, 4, 5)
-        self.scales[:, :, at] = scales.permute(3, 2, 0, 1, 4)
+        kernels.rows_to_pages(values.contiguous(), self.kv, at)
+        kernels.rows_to_pages(scales, self.scales, at)
 
     def read_tokens(self, pages: list[int]) -> torch.Tensor:
         """The inverse of write_tokens: [len(pages) * page_size, *StoreSettings.row_shape]."""

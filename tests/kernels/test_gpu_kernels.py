@@ -129,5 +129,21 @@ def test_gpu_rotate_copy(dtype):
         assert (dk[d] - rk[d]).abs().max().item() < 2e-5
 
 
+@pytest.mark.parametrize("dtype,unit", [(torch.bfloat16, (8, 128)), (kernels.FP8, (8, 128)), (torch.float32, (8,)),
+                                        (torch.float16, (3, 64))])
+def test_gpu_rows_to_pages(dtype, unit):
+    """An 8B chunk of 2,048 tokens (and odd shapes) into scattered pages of 64, as the loader writes them."""
+    g = torch.Generator().manual_seed(8)
+    layers, page_size, n = 32, 64, 32
+    bits = torch.randint(0, 0x7E, (n * page_size, layers, 2, *unit), dtype=torch.uint8, generator=g)
+    rows = (bits.view(dtype) if dtype == kernels.FP8 else bits.to(dtype)).cuda()
+    pages = torch.randperm(300, generator=g)[:n].cuda()
+    pool = torch.zeros(2, layers, 300, page_size, *unit, dtype=dtype, device="cuda")
+    want = pool.clone()
+    kernels.rows_to_pages(rows, pool, pages)
+    reference.rows_to_pages(rows, want, pages)
+    assert torch.equal(pool.view(torch.uint8), want.view(torch.uint8))
+
+
 def test_gpu_backend_is_compiled_triton():
     assert kernels.backend(torch.zeros(1, device="cuda")) == "triton"

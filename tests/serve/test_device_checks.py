@@ -11,7 +11,7 @@ from serve_stores import make_store
 from test_chunk_read_errors import corrupt
 
 from lazyrag.serve import loader as loader_module
-from lazyrag.serve.loader import ChunkLoader
+from lazyrag.serve.loader import ChunkLoader, DeviceCopies
 from lazyrag.serve.paged import PagePool
 from lazyrag.store import ChunkReadError
 
@@ -85,7 +85,8 @@ def test_a_corrupt_chunk_fails_its_load_and_only_it(tmp_path, tiny, monkeypatch,
     loader.load(good, pages)
     assert torch.equal(pool.read_tokens(pages)[: good.padded_length].view(torch.int16),
                        store.read_kv(good).view(torch.int16))
-    assert loader._device_held == 0  # neither the failed copy nor the loaded one is counted any more
+    copies = loader.device_copies
+    assert len(copies.free) == copies.count  # neither the failed copy nor the loaded one holds a buffer
     loader.close()
     store.close()
 
@@ -122,15 +123,16 @@ def test_copies_on_the_device_stay_within_its_room_and_the_rest_are_checked_on_t
     a, b, c, d = (store.doc_chunks(x)[0] for x in ("nile", "iron", "tokyo", "bach"))
     pool = pool_for(store)
     loader = ChunkLoader(store, pool, check_on_device=True)
-    loader.device_room = a.padded_length * loader.row_bytes  # one chunk's copy
+    assert loader.device_copies.count == store.num_chunks  # at most one per stored chunk, within the room
+    loader.device_copies = DeviceCopies(loader.device_copies.nbytes, 1, torch.device("cpu"))  # one chunk's copy
     loader.prefetch([a, b, c])
     while any(loader.reading(x.chunk_id) for x in (a, b, c)):
         time.sleep(0.01)
-    assert watched["checks"] == 1 and loader._device_held == loader.device_room
+    assert watched["checks"] == 1 and not loader.device_copies.free
     got = load_all(store, loader, pool, [a, b, c], ahead=True)  # the reads already made, loaded
     for info, kv in zip((a, b, c), got):
         assert torch.equal(kv.view(torch.int16), store.read_kv(info).view(torch.int16))
-    assert loader._device_held == 0
+    assert len(loader.device_copies.free) == 1
     load_all(store, loader, pool, [d], ahead=True)
     assert watched["checks"] == 2  # the room is free again
     loader.close()
