@@ -107,6 +107,12 @@ def test_bench_e2e_host_checksum_rows_and_step_log_variants(tmp_path):
     assert [r["mode"] for r in res["batch_sweep"]] == ["lazy", "lazy, crc32c on the host"]
     assert all("error" not in r for r in res["batch_sweep"])
     assert set(res["step_log"]) == {"cold", "warm", "cold, 0.5 GB of staging", "cold, crc32c on the host"}
+    cold = res["step_log"]["cold"]
+    assert cold["loads"] > 0 and cold["allocations"] == {}  # no CUDA: nothing to count
+    step = cold["prefills"][0]
+    assert step["sequences"] > 0 and 0 < step["cpu_ms"] <= step["host_ms"] * 1.05 + 1
+    assert all(step[k] >= 0 for k in ("cut_ms", "plan_ms", "pack_ms", "upload_ms", "graphs_ms", "gil_late_max_ms"))
+    assert cold["gil_late_ms"]["p50"] <= cold["gil_late_ms"]["max"]
 
 
 def bench_module():
@@ -151,3 +157,14 @@ def test_the_sweep_table_sets_each_cold_run_against_the_warm_run_of_its_requests
     assert ratio(1000, "cold", "lazy") == "0.80x"
     assert ratio(200, "cold, from disk", "lazy") == "0.50x"
     assert ratio(200, "warm", "lazy") == ""
+
+
+def test_kernel_time_counts_overlapping_kernels_once():
+    bench = bench_module()
+    assert bench.covered_us([]) == 0
+    assert bench.covered_us([(5, 9), (0, 2), (1, 3), (6, 7), (9, 10)]) == 3 + 5  # 0-3 and 5-10
+    table = bench.profile_table([{"model": "random:x", "profile": {
+        "lazy": {"req_per_s": 1.0, "seconds": 2.0, "gpu_busy_share": 1.04, "kernels_busy_share": 0.8, "h2d_copy_s": 0.2,
+                 "host_sync_wait_s": 0.1},
+        "block": {"req_per_s": 1.0, "seconds": 2.0, "gpu_busy_share": 0.5, "h2d_copy_s": 0.2, "host_sync_wait_s": 0.1}}}])
+    assert "| x | lazy | 1.0 | 2.00 | 104% | 80% |" in table and "| x | block | 1.0 | 2.00 | 50% | - |" in table
