@@ -27,7 +27,6 @@ from lazyrag.models import LoadedModel
 from lazyrag.serve import faults
 from lazyrag.serve.cache import ChunkCache
 from lazyrag.serve.loader import ChunkLoader
-from lazyrag.serve.memory import reserve_step_memory, warm_pinned_memory
 from lazyrag.serve.modes import select_mode
 from lazyrag.serve.paged import PagePool
 from lazyrag.serve.recompute import Recompute
@@ -76,8 +75,6 @@ class Engine:
             raise StoreMismatch(f"the store's KV is {s.kv_dtype} but the model was loaded for "
                                 f"{str(loaded.kv_dtype).removeprefix('torch.')} KV; load it with the store's dtype")
         self.batch_size, self.device = batch_size, loaded.device
-        if self.device.type == "cuda":
-            warm_pinned_memory()
         self.pool = PagePool.for_bytes(cache_bytes, s.num_layers, s.num_kv_heads, s.head_dim, s.page_size,
                                        loaded.kv_dtype, loaded.device)
         self.cache = ChunkCache(self.pool, ChunkLoader(store, self.pool, host_cache_bytes))
@@ -95,7 +92,6 @@ class Engine:
             self.runner.forward([preamble], rotate_queries=False)
         if cuda_graphs and self.device.type == "cuda":
             self.runner.capture_graphs(batch_size, pad_page=self.cache.alloc(1)[0])
-        reserve_step_memory(loaded.cfg, self.runner.prefill_tokens, self.device)
 
     def run(self, requests: Iterable[Request | None], on_finish: Callable[[Sequence], None], lookahead: int | None = None,
             on_error: OnError | None = None) -> None:

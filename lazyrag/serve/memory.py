@@ -1,6 +1,5 @@
 """What one request's prefill needs in working memory, and what the machine has free, so that a
-request that cannot fit is refused before it is attempted; and pinned host memory and device
-memory made before the step loop needs them."""
+request that cannot fit is refused before it is attempted."""
 
 from __future__ import annotations
 
@@ -11,11 +10,6 @@ import torch
 from lazyrag.models import ModelConfig
 
 CGROUP = Path("/sys/fs/cgroup")
-# Pinned blocks of each size torch's caching host allocator rounds to (powers of two), made when
-# the first engine starts: many small ones, and a few up to a large step's packed inputs.
-PINNED_SMALL, PINNED_SMALL_EACH = 1 << 20, 8
-PINNED_LARGEST, PINNED_LARGE_EACH = 32 << 20, 2
-_pinned_warm = False
 
 
 def prefill_bytes(cfg: ModelConfig, slice_tokens: int, keys: int, device_type: str) -> int:
@@ -63,33 +57,3 @@ def _cgroup_room() -> int | None:
         return max(0, int(limit) - int((group / "memory.current").read_text()))
     except (OSError, ValueError, IndexError):
         return None
-
-
-def warm_pinned_memory() -> None:
-    """Fill torch's pinned host allocator with blocks of every size a step's inputs and outputs
-    round to, once per process. Pinning memory is an implicitly synchronising CUDA call: in the
-    step loop it would wait for every copy in flight, a cold run's chunk copies included."""
-    global _pinned_warm
-    if _pinned_warm or not torch.cuda.is_available():
-        return
-    blocks, size = [], 1
-    while size <= PINNED_LARGEST:
-        for _ in range(PINNED_SMALL_EACH if size <= PINNED_SMALL else PINNED_LARGE_EACH):
-            blocks.append(torch.empty(size, dtype=torch.uint8, pin_memory=True))
-        size *= 2
-    del blocks  # back to the allocator, which keeps them for the process
-    _pinned_warm = True
-
-
-def reserve_step_memory(cfg: ModelConfig, step_tokens: int, device: torch.device) -> None:
-    """Have torch's caching allocator hold the working memory of a prefill step of
-    ``step_tokens`` tokens (within a quarter of what is free) as one block cached for the
-    current stream, which later steps' tensors are cut from. A device allocation is implicitly
-    synchronising: in a cold run's first steps it would wait for every chunk copy in flight."""
-    room = available_bytes(device)
-    if device.type != "cuda" or room is None:
-        return
-    nbytes = min(prefill_bytes(cfg, step_tokens, 0, device.type), room // 4)
-    if nbytes > 0:
-        block = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        del block  # back into the allocator's cache, whole
