@@ -206,6 +206,12 @@ class Sweep:
     prefill_graphs: bool = True  # prefill steps' layers replayed from CUDA graphs (False: op by op)
     read_threads: int = 0     # chunk reads at once (0: the loader's default)
     host_checksums: bool = False  # reads' crc32c checked in the reader process, not on the GPU
+    lookahead: int = 0        # waiting requests the scheduler reads ahead for and may admit (0: its default)
+
+    @property
+    def variant(self) -> bool:
+        """A cold lazy run with one loader or scheduler setting changed, set against the default's warm run."""
+        return bool(self.read_threads or self.host_checksums or self.lookahead)
 
 
 def batch_sweep(kw: dict, loaded, store, prompts, questions, cache_gb: float, args, model: str, save, out,
@@ -224,6 +230,7 @@ def batch_sweep(kw: dict, loaded, store, prompts, questions, cache_gb: float, ar
         configs += [Sweep("lazy", requests=n, read_threads=t) for t in args.read_threads[1:]]
         if args.host_checksums_too:  # the same run with the reads checked on the host
             configs.append(Sweep("lazy", requests=n, host_checksums=True))
+        configs += [Sweep("lazy", requests=n, lookahead=a) for a in args.lookahead_too]
         if args.eager_prefill_too:  # the same run with prefill steps launched op by op
             configs.append(Sweep("lazy", requests=n, prefill_graphs=False))
         if args.per_request_too:  # lazy with each request reading its own pages: what chunk-major buys
@@ -240,11 +247,9 @@ def batch_sweep(kw: dict, loaded, store, prompts, questions, cache_gb: float, ar
             configs += [Sweep("lazy", workload="uniform", requests=n)]
             configs += [Sweep("lazy", f, reuse=r, order=o, workload="uniform", requests=n)
                         for f in args.recompute if f for r, o in ((True, "given"), (True, "popular"), (False, "given"))]
-    cold = [c for c in configs if c.mode == "lazy" and c.workload == "zipf" and c.prefill_graphs and not c.read_threads
-            and not c.host_checksums]
+    cold = [c for c in configs if c.mode == "lazy" and c.workload == "zipf" and c.prefill_graphs and not c.variant]
     if args.warm:  # each lazy and block run again, on a cache warmed by one untimed pass
-        configs += [dataclasses.replace(c, warm=True) for c in configs
-                    if c.mode != "full" and not c.read_threads and not c.host_checksums]
+        configs += [dataclasses.replace(c, warm=True) for c in configs if c.mode != "full" and not c.variant]
     if args.from_disk:  # last: a run from disk leaves in the page cache only what it read
         configs += [dataclasses.replace(c, disk=True) for c in cold]
     rows = []
@@ -259,6 +264,7 @@ def batch_sweep(kw: dict, loaded, store, prompts, questions, cache_gb: float, ar
                 if c.disk:
                     evict(store.path)
                 with setting("lazyrag.serve.runner", "PREFILL_GRAPH_TOKENS", None if c.prefill_graphs else 0), \
+                        setting("lazyrag.serve.scheduler", "LOOKAHEAD", c.lookahead or None), \
                         loader_defaults(**({"check_on_device": False} if c.host_checksums else {})):
                     r = run(engine_args, loaded, store, c.mode, source[:n], questions[:n], cache_gb, bs,
                             warm=c.warm, order=c.order)
@@ -274,6 +280,8 @@ def batch_sweep(kw: dict, loaded, store, prompts, questions, cache_gb: float, ar
                 r["mode"] = f"lazy, {c.read_threads} chunk reads at once"
             if c.host_checksums:
                 r["mode"] = "lazy, crc32c on the host"
+            if c.lookahead:
+                r["mode"] = f"lazy, look-ahead {c.lookahead}"
             r.update(recompute=c.fraction, policy=args.recompute_policy, page_size=args.page_size, reuse=c.reuse,
                      order=c.order, workload=c.workload, sweep_requests=c.requests, disk=c.disk)
             r.update(recompute_floor(loaded, r, store))
@@ -963,6 +971,9 @@ def main() -> None:
     ap.add_argument("--host-checksums-too", action="store_true",
                     help="also run each cold lazy Zipf count of the batch sweep (and, with --step-log, a cold "
                          "run) with the chunks' crc32c checked in the reader process instead of on the GPU")
+    ap.add_argument("--lookahead-too", type=lambda s: [int(x) for x in s.split(",") if x], default=[],
+                    help="also run each cold lazy Zipf count of the batch sweep with the scheduler reading ahead for, "
+                         "and admitting from, this many waiting requests (default: a batch's worth, at least 64)")
     ap.add_argument("--trace", action="store_true",
                     help="with --profile, also write each profiled run's trace (cold and warm) to "
                          "$OUT/trace-<run>.json.gz (Chrome trace format), the engine's host phases labelled")
