@@ -445,7 +445,8 @@ class ChunkLoader:
     def _check_on_device(self, read: _Read, host: torch.Tensor) -> None:
         """The chunk's bytes copied into a DeviceCopies buffer, their crc32c checked there
         (ChunkReadError when it is not the catalog's): read.on_device and read.copy. When no
-        buffer is free (or the device fails), they are checked here and loaded from the host.
+        buffer is free (or the check runs out of memory), they are checked here and loaded from
+        the host.
         A reader thread calls this."""
         raw = host.view(-1).view(torch.uint8)
         taken = self.device_copies.take() if self.device_copies is not None else None
