@@ -430,10 +430,19 @@ def labelled_phases():
         yield
 
 
+@dataclasses.dataclass(frozen=True)
+class Phase:
+    """One call of a host phase, as logged_phases records it."""
+    label: str
+    start: float
+    end: float
+    sequences: int
+    cpu: float
+
+
 @contextlib.contextmanager
 def logged_phases(log: list):
-    """The engine's host phases appended to `log` as (label, start, end, sequences, cpu) on the
-    perf_counter clock, without a profiler's cost per operation (sequences: a step's, else 0;
+    """The engine's host phases appended to `log` as Phases on the perf_counter clock, without a profiler's cost per operation (sequences: a step's, else 0;
     cpu: the calling thread's CPU seconds inside, so wall minus cpu is time spent waiting)."""
     def wrap(fn, label):
         def wrapped(*a, **k):
@@ -442,7 +451,7 @@ def logged_phases(log: list):
                 return fn(*a, **k)
             finally:
                 n = len(a[1]) if len(a) > 1 and isinstance(a[1], list) else 0
-                log.append((label.removeprefix("lazyrag."), t, time.perf_counter(), n, time.thread_time() - cpu))
+                log.append(Phase(label.removeprefix("lazyrag."), t, time.perf_counter(), n, time.thread_time() - cpu))
         return wrapped
 
     with wrapped_phases(wrap):
@@ -615,20 +624,23 @@ def step_log_run(engine_args: dict, loaded, store, prompts, questions, cache_gb:
     def ms(t: float) -> float:
         return round((t - start) * 1e3, 1)
 
-    def phase(name: str) -> list:
-        return [e for e in log if e[0] == name]
+    def phase(name: str) -> list[Phase]:
+        return [e for e in log if e.label == name]
 
     def total_ms(name: str) -> float:
-        return round(sum(e[2] - e[1] for e in phase(name)) * 1e3, 1)
+        return round(sum(e.end - e.start for e in phase(name)) * 1e3, 1)
+
+    def cpu_ms(name: str) -> float:
+        return round(sum(e.cpu for e in phase(name)) * 1e3, 1)
 
     def inside_ms(name: str, a: float, b: float) -> float:
-        return round(sum(e[2] - e[1] for e in phase(name) if a <= e[1] and e[2] <= b) * 1e3, 1)
+        return round(sum(e.end - e.start for e in phase(name) if a <= e.start and e.end <= b) * 1e3, 1)
 
-    def prefill(e) -> dict:
-        _, a, b, n, cpu = e
+    def prefill(e: Phase) -> dict:
+        a, b = e.start, e.end
         lates = [x for t, x in late if a <= t <= b]
-        return {"at_ms": ms(a), "host_ms": round((b - a) * 1e3, 1), "cpu_ms": round(cpu * 1e3, 1), "sequences": n,
-                **{f"{k}_ms": inside_ms(name, a, b) for k, name in
+        return {"at_ms": ms(a), "host_ms": round((b - a) * 1e3, 1), "cpu_ms": round(e.cpu * 1e3, 1),
+                "sequences": e.sequences, **{f"{k}_ms": inside_ms(name, a, b) for k, name in
                    (("cut", "ChunkMajor.cut"), ("plan", "ChunkMajor.plan"), ("pack", "pack_step"),
                     ("upload", "StepInputs.upload"), ("graphs", "PrefillGraphs.run"))},
                 "gil_late_max_ms": round(max(lates, default=0) * 1e3, 1)}
@@ -638,15 +650,15 @@ def step_log_run(engine_args: dict, loaded, store, prompts, questions, cache_gb:
     summary = {"seconds": r["seconds"], "req_per_s": r["req_per_s"], "warm": warm, "allocations": r["allocations"],
                "prefills": [prefill(e) for e in phase("Runner.prefill")],
                "decode_steps": len(decodes), "decode_host_ms": total_ms("Runner.decode"),
-               "decode_cpu_ms": round(sum(e[4] for e in decodes) * 1e3, 1),
-               "first_decode_ms": ms(decodes[0][1]) if decodes else None,
+               "decode_cpu_ms": cpu_ms("Runner.decode"),
+               "first_decode_ms": ms(decodes[0].start) if decodes else None,
                "accept_wait_ms": total_ms("Engine._accept"), "schedule_ms": total_ms("Scheduler.schedule"),
-               "schedule_cpu_ms": round(sum(e[4] for e in phase("Scheduler.schedule")) * 1e3, 1),
+               "schedule_cpu_ms": cpu_ms("Scheduler.schedule"),
                "cut_ms": total_ms("ChunkMajor.cut"), "plan_ms": total_ms("ChunkMajor.plan"),
                "sample_ms": total_ms("Engine._sample"),
                "loads": len(loads), "load_ms": total_ms("ChunkLoader.load"),
-               "last_load_ms": ms(loads[-1][2]) if loads else None,
-               "loads_by_100ms": [sum(1 for e in loads if k <= (e[1] - start) * 10 < k + 1)
+               "last_load_ms": ms(loads[-1].end) if loads else None,
+               "loads_by_100ms": [sum(1 for e in loads if k <= (e.start - start) * 10 < k + 1)
                                   for k in range(int(r["seconds"] * 10) + 1)],
                "gil_late_ms": {q: round(lates[min(len(lates) - 1, int(f * len(lates)))] * 1e3, 2) if lates else None
                                for q, f in (("p50", 0.5), ("p90", 0.9), ("p99", 0.99), ("max", 1.0))}}

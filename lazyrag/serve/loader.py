@@ -452,30 +452,38 @@ class ChunkLoader:
         taken = self.device_copies.take() if self.device_copies is not None else None
         crc = None
         if taken is not None:
-            index, copied = taken
-            on_device = self.device_copies.buffer(index, raw.numel())
             try:
-                with self._own_stream(self.pool.kv.device) as stream:
-                    try:
-                        if stream is not None and copied is not None:
-                            stream.wait_event(copied)  # the last load's copy out of this buffer
-                        on_device.copy_(raw, non_blocking=True)
-                        crc = device_crc32c(on_device).to("cpu", non_blocking=True)
-                    except torch.OutOfMemoryError:  # the check's own small tensors
-                        crc = None
-                    if stream is not None:
-                        stream.synchronize()  # whatever was queued has run: the staging buffer may be written again
+                crc = self._crc_on_device(raw, *taken)
             finally:
                 if crc is None:
-                    self.device_copies.give(index)
+                    self.device_copies.give(taken[0])
         if crc is None:  # no buffer on the device
             self.store.check_crc(read.info, crc32c.crc32c(raw.numpy()))
             return
+        index = taken[0]
         got = int(crc) & 0xFFFFFFFF
         if got != read.info.checksum:
             self.device_copies.give(index)
             self.store.check_crc(read.info, got)  # raises
+        on_device = self.device_copies.buffer(index, raw.numel())
         read.on_device, read.copy = on_device.view(host.dtype).view(host.shape), index
+
+    def _crc_on_device(self, raw: torch.Tensor, index: int, copied: torch.cuda.Event | None) -> torch.Tensor | None:
+        """``raw`` copied into DeviceCopies buffer ``index`` once the copy out of it (``copied``) has
+        run, on this thread's stream, and its crc32c taken there: a one-element tensor on the host;
+        None when the check runs out of memory."""
+        on_device = self.device_copies.buffer(index, raw.numel())
+        with self._own_stream(self.pool.kv.device) as stream:
+            try:
+                if stream is not None and copied is not None:
+                    stream.wait_event(copied)  # the last load's copy out of this buffer
+                on_device.copy_(raw, non_blocking=True)
+                crc = device_crc32c(on_device).to("cpu", non_blocking=True)
+            except torch.OutOfMemoryError:  # the check's own small tensors
+                crc = None
+            if stream is not None:
+                stream.synchronize()  # whatever was queued has run: the staging buffer may be written again
+        return crc
 
     @contextlib.contextmanager
     def _own_stream(self, device: torch.device):
