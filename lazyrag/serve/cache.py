@@ -221,8 +221,9 @@ class ChunkCache:
                 continue
 
     def is_loading(self, chunk_id: str) -> bool:
-        """Whether the chunk is not in the pool and its read is under way: acquiring it now would wait."""
-        return chunk_id not in self._resident and self.loader.reading(chunk_id)
+        """Whether the chunk is on its way to the pool: its read is under way, or waits its turn
+        behind reads that are (acquiring it now would wait for it)."""
+        return chunk_id not in self._resident and (self.loader.reading(chunk_id) or self.loader.queued(chunk_id))
 
     # -- pages ----------------------------------------------------------------------
     def alloc(self, n: int) -> list[int]:

@@ -69,9 +69,13 @@ class Loader(Protocol):
     def reading(self, chunk_id: str) -> bool:
         """Whether the chunk's read has started and not finished: loading it now would wait."""
 
+    def queued(self, chunk_id: str) -> bool:
+        """Whether the chunk's read waits its turn behind reads under way: it starts as they are
+        loaded, without a load asking for it."""
+
     def finished(self) -> list[ChunkInfo]:
-        """The look-ahead's reads that are done and not loaded yet, in need order: loading them
-        now waits for nothing."""
+        """The look-ahead's chunks that loading now waits for nothing for, not loaded yet: reads
+        done (in need order), then chunks the host tier keeps."""
 
     def load(self, info: ChunkInfo, pages: list[int]) -> LoadReport:
         """Write the chunk's KV into `pages` (free pages: nothing in flight reads them)."""
@@ -331,6 +335,7 @@ class ChunkLoader:
         self.process.start()
         self.pending: dict[str, _Read] = {}  # reads started by the look-ahead and not loaded yet
         self.wanted: list[ChunkInfo] = []    # the look-ahead's chunks not started yet, in need order
+        self.kept_wanted: dict[str, ChunkInfo] = {}  # the look-ahead's chunks the host tier keeps
         self.budget, self.ahead_bytes = staging_bytes, 0
         self.stream = torch.cuda.Stream(pool.kv.device) if pool.kv.is_cuda else None
         self.row_bytes = store.settings.row_bytes  # fp8 rows carry their scales: the loader moves both
@@ -340,33 +345,43 @@ class ChunkLoader:
 
     def prefetch(self, infos: list[ChunkInfo]) -> None:
         """Read ahead the chunks coming requests need (none in the pool), in that order: chunks in
-        flight or in the host tier are skipped, the rest start while the budget allows. A finished
+        flight are skipped, those the host tier keeps are offered by `finished` (their loads read
+        nothing), the rest start while the budget allows. A finished
         read no coming request needs any more (its request failed) gives its bytes back."""
         needed = {info.chunk_id for info in infos}
         for read in [r for cid, r in self.pending.items() if cid not in needed and r.future.done()]:
             del self.pending[read.info.chunk_id]
             self.ahead_bytes -= read.nbytes
             self._give_back(read)
-        wanted, seen = [], set()
+        wanted, kept, seen = [], {}, set()
         for info in infos:
             cid = info.chunk_id
-            if cid in seen or cid in self.pending or cid in self.host.entries:  # a check, not a use: no LRU touch
+            if cid in seen or cid in self.pending:
                 continue
             seen.add(cid)
-            wanted.append(info)
-        self.wanted = wanted
+            if cid in self.host.entries:  # a check, not a use: no LRU touch
+                kept[cid] = info
+            else:
+                wanted.append(info)
+        self.wanted, self.kept_wanted = wanted, kept
         self._start_wanted()
 
     def reading(self, chunk_id: str) -> bool:
         read = self.pending.get(chunk_id)
         return read is not None and not read.future.done()
 
+    def queued(self, chunk_id: str) -> bool:
+        return (any(info.chunk_id == chunk_id for info in self.wanted)
+                and any(not read.future.done() for read in self.pending.values()))
+
     def finished(self) -> list[ChunkInfo]:
-        return [read.info for read in self.pending.values() if read.future.done()]
+        done = [read.info for read in self.pending.values() if read.future.done()]
+        return done + [info for cid, info in self.kept_wanted.items() if cid in self.host.entries]
 
     def load(self, info: ChunkInfo, pages: list[int]) -> LoadReport:
         """Write the chunk's KV into `pages`; nothing waits for the copy until `after_copy`."""
         report = LoadReport()
+        self.kept_wanted.pop(info.chunk_id, None)
         kept = self.host.get(info.chunk_id)
         if kept is not None:
             report.host_hit = True

@@ -5,14 +5,16 @@ admitted if the pool can take it now, counting the pages that evicting unpinned 
 would free; newly admitted ones are prefilled together, and otherwise every running
 sequence decodes one token. A sequence leaves as soon as it ends and the next takes
 its place. The chunks of up to `lookahead` coming sequences (by default a batch's worth, at
-least LOOKAHEAD) are read ahead meanwhile, in the order they will be needed, and while others run a sequence whose chunks are still
-being read waits for them instead of stalling the batch, and one behind it whose chunks are all
-resident already is admitted first. The scheduler sees the cache only
+least LOOKAHEAD) are read ahead meanwhile, those more of them share first, so that a cold batch
+fills early with the sequences whose chunks have all come. A sequence with a chunk still on its
+way (`is_loading`: read, or waiting its turn behind reads under way) waits for it, and one
+behind it whose chunks are all resident goes first; otherwise the oldest is placed, reading what
+it needs on the step loop. The scheduler sees the cache only
 through `is_resident`, `is_loading`, `available_pages` and `prefetch` (and the mode, which
 places a sequence, through the cache's allocator).
 
 The source of sequences may be an open stream: it yields None while nothing new has arrived,
-and the scheduler runs what it has and asks again at the next step (after OPEN_STREAM_POLL_S
+and the scheduler runs what it has and asks again at the next step (after IDLE_POLL_S
 when it has nothing at all to run). It ends when the source is exhausted.
 
 A chunk that cannot be read (corrupt, or its segment missing or truncated), or any other error
@@ -24,7 +26,7 @@ placement is undone and they go to `on_error`. The engine hands back a batch who
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
@@ -36,13 +38,30 @@ from lazyrag.serve.request import Sequence
 from lazyrag.store import ChunkInfo
 
 OnError = Callable[[Sequence, Exception], None]
-# How long an idle scheduler waits before asking an open stream again: short beside a decode
-# step, long enough not to spin a core.
-OPEN_STREAM_POLL_S = 0.001
+# How long a scheduler with nothing to run waits before looking again (an open stream with nothing
+# new, or reads ahead not done yet): short beside a decode step, long enough not to spin a core.
+IDLE_POLL_S = 0.001
 # Waiting sequences whose chunks are read ahead, at least; by default a whole batch's worth, so the
 # chunks of the batch after the running one are read while it runs. With 64 at batch 128, a
 # 200-request cold run on an H200 started its last reads only when its second wave was admitted.
 LOOKAHEAD = 64
+# Chunks more waiting sequences share are read first (False: in the order the sequences need them).
+SHARED_FIRST = True
+
+
+def read_order(needs: Iterable[Iterable[ChunkInfo]]) -> list[ChunkInfo]:
+    """Each chunk the waiting sequences need (theirs in arrival order) once, those more of them
+    share first, ties in need order: in a Zipf workload the commonest chunks complete the most
+    sequences per read (scripts/read_order.py counts it)."""
+    needed: dict[str, ChunkInfo] = {}
+    shared: Counter[str] = Counter()
+    for chunks in needs:
+        for c in chunks:
+            needed.setdefault(c.chunk_id, c)
+            shared[c.chunk_id] += 1
+    if not SHARED_FIRST:
+        return list(needed.values())
+    return sorted(needed.values(), key=lambda c: -shared[c.chunk_id])
 
 
 @dataclass
@@ -93,7 +112,8 @@ class Scheduler:
     def schedule(self) -> Step | None:
         """The next step, or None once the source is exhausted and every sequence has finished.
         While nothing can run before the next arrival (an open-loop workload), it sleeps until
-        then; while an open stream has nothing yet, it asks again every OPEN_STREAM_POLL_S."""
+        then; while an open stream has nothing yet, or every arrived sequence waits for reads ahead, it
+        looks again every IDLE_POLL_S."""
         while True:
             stream_idle = self._read_ahead()
             admitted = self._admit(time.perf_counter())
@@ -105,9 +125,10 @@ class Scheduler:
                 if self._exhausted:
                     return None
                 if stream_idle:
-                    time.sleep(OPEN_STREAM_POLL_S)
+                    time.sleep(IDLE_POLL_S)
                 continue  # take what arrived since, or the next ones when every waiting sequence failed
-            time.sleep(max(0.0, self.waiting[0].arrival - time.perf_counter()))
+            until_arrival = self.waiting[0].arrival - time.perf_counter()
+            time.sleep(until_arrival if until_arrival > 0 else IDLE_POLL_S)  # or for reads ahead
 
     def decodes_next(self, batch: list[Sequence], pending: int) -> bool:
         """Whether the step after `batch`'s is certainly a decode of the same batch, known before
@@ -158,10 +179,10 @@ class Scheduler:
             self._alone.discard(id(seq))
 
     def _read_ahead(self) -> bool:
-        """Take arrived sequences and start reading the chunks they need, in need order; True when
-        the source said nothing has arrived yet."""
+        """Take arrived sequences and start reading the chunks they need, the most shared first;
+        True when the source said nothing has arrived yet."""
         stream_idle = self._refill()
-        self.cache.prefetch([c for seq in self.waiting for c in self.mode.cached_chunks(seq.request)])
+        self.cache.prefetch(read_order(self.mode.cached_chunks(seq.request) for seq in self.waiting))
         return stream_idle
 
     def _refill(self) -> bool:
@@ -187,17 +208,18 @@ class Scheduler:
             if alone and (admitted or passed):
                 break  # it takes the next prefill step by itself
             if not self.fits(seq):
-                if self.running or admitted:
-                    break  # wait for running sequences to free pages
+                if self.running or admitted or passed:
+                    break  # wait for running sequences to free pages, or for the oldest to go first
                 exc = OutOfPages(f"request {seq.id} does not fit in the cache even alone: raise --cache-gb")
                 if self.on_error is None:
                     raise exc
                 self.waiting.popleft()
                 failed.append((seq, exc))
                 continue
-            if (self.running or admitted) and (self._still_reading(seq) if not passed else not self._resident(seq)):
-                # the batch runs on while its chunks arrive; one behind it whose chunks are all
-                # here already goes first (only then: it must not read on the step loop)
+            waits = self._still_reading(seq) if not passed else not self._resident(seq)
+            if waits:
+                # it waits for its chunks, and one behind it whose chunks are all here goes first
+                # (only then: it must not read on the step loop)
                 passed += 1
                 continue
             del self.waiting[passed]

@@ -26,7 +26,8 @@ def chunk(chunk_id: str, length: int) -> ChunkInfo:
 
 class FakeLoader:
     """Moves no bytes: records each load and prefetch, fails the loads it is told to, says the
-    chunks in `in_flight` are still being read and those in `done` read ahead (until loaded), and
+    chunks in `in_flight` are still being read, those in `in_line` wait their turn behind them and
+    those in `done` were read ahead (until loaded), and
     records the copies compute was ordered after and those waited for."""
 
     def __init__(self):
@@ -34,6 +35,7 @@ class FakeLoader:
         self.prefetched: list[str] = []
         self.failing: set[str] = set()
         self.in_flight: set[str] = set()
+        self.in_line: set[str] = set()
         self.done: list[ChunkInfo] = []
         self.ordered_after: list[object] = []
         self.settled: list[object] = []
@@ -45,6 +47,9 @@ class FakeLoader:
 
     def reading(self, chunk_id: str) -> bool:
         return chunk_id in self.in_flight
+
+    def queued(self, chunk_id: str) -> bool:
+        return chunk_id in self.in_line and bool(self.in_flight)
 
     def finished(self) -> list[ChunkInfo]:
         return list(self.done)

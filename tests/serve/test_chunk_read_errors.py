@@ -39,6 +39,9 @@ class UnreadableLoader:
     def reading(self, chunk_id: str) -> bool:
         return False
 
+    def queued(self, chunk_id: str) -> bool:
+        return False
+
     def finished(self) -> list[ChunkInfo]:
         return []
 

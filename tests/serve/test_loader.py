@@ -67,3 +67,22 @@ def test_prefetched_chunks_load_bit_exactly(tmp_path, tiny):
         assert torch.equal(pool.read_tokens(entry.pages).view(torch.int16), store.read_kv(info).view(torch.int16))
     assert cache.counters.bytes_read == sum(store.read_kv(x).numel() * 2 for x in chunks[:3])
     cache.close()
+
+
+def test_a_chunk_the_host_tier_keeps_is_loaded_ahead_into_free_pages_without_a_read(tmp_path, tiny):
+    store = make_store(tmp_path, "random:tiny", chunk_tokens=48, dtype="bf16")
+    a, b = (store.doc_chunks(d)[0] for d in ("nile", "iron"))
+    pages = max(-(-x.padded_length // store.settings.page_size) for x in (a, b))
+    cache, pool = cache_for(store, pages, host_cache_bytes=64 << 20)  # room for one chunk
+    for info in (a, b):  # a is evicted by b and kept by the host tier
+        cache.release(cache.acquire(info))
+    cache.prefetch([a])
+    assert not cache.is_resident(a.chunk_id)  # no free page: nothing is evicted for the look-ahead
+    cache.evict(b.chunk_id)
+    cache.prefetch([a])
+    assert cache.is_resident(a.chunk_id) and cache.counters.host_hits == 1
+    entry = cache.acquire(a)
+    assert torch.equal(pool.read_tokens(entry.pages).view(torch.int16), store.read_kv(a).view(torch.int16))
+    assert cache.counters.bytes_read == sum(store.read_kv(x).numel() * 2 for x in (a, b))  # a read once
+    cache.release(entry)
+    cache.close()

@@ -61,20 +61,25 @@ def test_reads_ahead_start_in_need_order_within_the_budget(tmp_path, tiny):
     def reading():
         return [c.chunk_id for c in (c0, c1, c2, c3, c4, c5, c6) if loader.reading(c.chunk_id)]
 
+    def queued():
+        return [c.chunk_id for c in (c0, c1, c2, c3, c4, c5, c6) if loader.queued(c.chunk_id)]
+
     loader.prefetch([c0, c1, c2, c3])
-    assert reading() == [c0.chunk_id, c1.chunk_id]
+    assert reading() == [c0.chunk_id, c1.chunk_id] and queued() == [c2.chunk_id, c3.chunk_id]
     loader.prefetch([c3, c1, c2])  # the coming requests changed: c3 is needed first now
     assert reading() == [c0.chunk_id, c1.chunk_id]  # started reads go on; nothing past the budget
     held.release(c0)
     report = loader.load(c0, pool.alloc(1))
     assert report.read_ahead and report.bytes_read == chunk_bytes
     assert reading() == [c1.chunk_id, c3.chunk_id]  # c0's load made room: the first wanted, c3, started
+    assert queued() == [c2.chunk_id]
     held.release(c1, c2, c3, c4)
     assert loader.load(c3, pool.alloc(1)).read_ahead
     report = loader.load(c4, pool.alloc(1))  # never asked for: read on demand
     assert not report.read_ahead and report.bytes_read == chunk_bytes
     while loader.reading(c1.chunk_id) or loader.reading(c2.chunk_id):  # read ahead, never loaded
         time.sleep(0.01)
+    assert not queued()  # nothing is read ahead of c4, c5 or c6, and no read is under way
     loader.prefetch([c5, c6])  # no coming request needs c1 or c2 any more: their bytes come back
     assert reading() == [c5.chunk_id, c6.chunk_id]
     held.release(c5, c6)

@@ -3,6 +3,7 @@ cache's free and evictable pages, waiting for running requests to free pages, a 
 too large for the pool, and an open stream of requests. Lazy mode, preamble of 3 tokens
 (page 0), page size 4."""
 
+import threading
 import time
 
 import pytest
@@ -10,7 +11,7 @@ from serve_fakes import PAGE_SIZE, PREAMBLE, chunk, make_cache, sequence
 
 from lazyrag.serve.modes import Lazy
 from lazyrag.serve.paged import OutOfPages
-from lazyrag.serve.scheduler import LOOKAHEAD, OPEN_STREAM_POLL_S, Scheduler
+from lazyrag.serve.scheduler import LOOKAHEAD, IDLE_POLL_S, Scheduler
 
 A, B, C = chunk("a", 8), chunk("b", 8), chunk("c", 8)  # 2 pages each
 QUESTION = [7, 8]  # with 2 answer tokens: 1 own page
@@ -170,32 +171,70 @@ def test_an_idle_scheduler_waits_between_polls_of_an_open_stream():
     sched, _, _ = setup(32, stream())
     step = sched.schedule()  # nothing waiting or running: waits for the stream instead of ending
     assert [s.id for s in step.batch] == ["late"]
-    assert all(b - a >= OPEN_STREAM_POLL_S for a, b in zip(polls, polls[1:]))
+    assert all(b - a >= IDLE_POLL_S for a, b in zip(polls, polls[1:]))
 
 
-def test_while_others_run_a_request_waits_for_its_chunks_still_being_read():
+def reads_end_after(loader, seconds: float, chunks):
+    """The reads of `chunks` (in flight now) end after `seconds`, on another thread."""
+    def end():
+        loader.done += chunks
+        loader.in_flight -= {c.chunk_id for c in chunks}
+    timer = threading.Timer(seconds, end)
+    timer.start()
+    return timer
+
+
+def test_a_request_waits_for_its_chunks_still_being_read_and_the_batch_runs_on():
     seqs = [sequence("1", [A], QUESTION, 2), sequence("2", [B], QUESTION, 2), sequence("3", [C], QUESTION, 2)]
     sched, _, loader = setup(32, seqs)
     loader.in_flight = {"a", "b"}
+    t0 = time.perf_counter()
+    timer = reads_end_after(loader, 0.05, [A])
     step = sched.schedule()
-    # nothing else could run, so 1 is admitted (its load waits for a); 2 waits for b, 3 keeps its place
+    timer.join()
+    # nothing is placed to read on the step loop while reads are under way; then 1, whose a came
+    # (2 waits for b, and 3 keeps its place behind it)
+    assert time.perf_counter() - t0 >= 0.05
     assert step.prefill and [s.id for s in step.batch] == ["1"]
     step = sched.schedule()
     assert not step.prefill and [s.id for s in step.batch] == ["1"]  # b still in flight: the batch decodes
     loader.in_flight = set()
     step = sched.schedule()
+    # no read under way: 2 is placed (b read at its placement), then 3 (c)
     assert step.prefill and [s.id for s in step.batch] == ["2", "3"]
-    assert loader.prefetched[:3] == ["a", "b", "c"]  # the look-ahead asks in arrival order
+    assert loader.prefetched[:3] == ["a", "b", "c"]  # none shared: the look-ahead asks in need order
+
+
+def test_with_nothing_running_the_first_step_waits_for_reads_under_way_and_takes_whom_they_complete():
+    seqs = [sequence("1", [A], QUESTION, 2), sequence("2", [B], QUESTION, 2), sequence("3", [B], QUESTION, 2)]
+    sched, _, loader = setup(32, seqs)
+    loader.in_flight, loader.in_line = {"b"}, {"a"}  # b read first (shared by two), a waits its turn
+    t0 = time.perf_counter()
+    timer = reads_end_after(loader, 0.05, [B])
+    step = sched.schedule()
+    timer.join()
+    assert time.perf_counter() - t0 >= 0.05
+    # b came; with no read under way a's turn is not coming: 1 is placed, reading a, and 2 and 3 go with it
+    assert step.prefill and [s.id for s in step.batch] == ["1", "2", "3"]
+    assert [c for c, _ in loader.loads] == ["b", "a"]
+
+
+def test_the_chunks_more_waiting_requests_share_are_read_first():
+    seqs = [sequence("1", [A, B], QUESTION, 2), sequence("2", [C, B], QUESTION, 2),
+            sequence("3", [B], QUESTION, 2), sequence("4", [C], QUESTION, 2)]
+    sched, _, loader = setup(32, seqs, batch_size=1)
+    sched.schedule()
+    assert loader.prefetched[:3] == ["b", "c", "a"]  # b by three, c by two, a by one
 
 
 def test_a_request_whose_chunks_are_all_resident_passes_one_whose_chunks_are_still_being_read():
     seqs = [sequence("1", [A], QUESTION, 3), sequence("2", [B], QUESTION, 3), sequence("3", [A], QUESTION, 3),
             sequence("4", [C], QUESTION, 3), sequence("5", [A], QUESTION, 3)]
     sched, cache, loader = setup(32, seqs, batch_size=4)
-    loader.in_flight = {"b"}
+    loader.in_flight, loader.done = {"b"}, [A]
     step = sched.schedule()
-    # 1 is admitted (a read at its placement); 2 waits for b; 3 and 5 need only a, resident now,
-    # and go ahead of it; 4's c is neither here nor being read, so it keeps its place behind 2
+    # a was read ahead: 1, 3 and 5 go; 2 waits for b; 4's c is neither here nor being read, so it
+    # keeps its place behind 2
     assert step.prefill and [s.id for s in step.batch] == ["1", "3", "5"]
     assert cache.is_resident("a") and not cache.is_resident("c")
     assert [s.id for s in sched.waiting] == ["2", "4"]
@@ -205,8 +244,6 @@ def test_a_request_whose_chunks_are_all_resident_passes_one_whose_chunks_are_sti
     step = sched.schedule()
     assert step.prefill and [s.id for s in step.batch] == ["2"]  # the batch is full at 4
     assert [s.id for s in sched.waiting] == ["4"]
-
-
 
 
 def test_steps_are_counted_with_the_sequences_they_hold():
