@@ -1,6 +1,7 @@
 """The look-ahead: reads start in the order the chunks will be needed, the bytes read ahead stay
 within the budget, each load starts the next wanted read, a finished read no one needs any more
-gives its bytes back, and the host tier is not read again."""
+gives its bytes back, the host tier is not read again, and answers do not depend on how reads queue
+or on page pressure."""
 
 from __future__ import annotations
 
@@ -107,4 +108,43 @@ def test_the_host_tier_is_not_read_ahead_and_its_hits_are_counted(tmp_path, tiny
     assert (counters.misses, counters.host_hits, counters.read_ahead) == (4, 1, 1)  # c was read ahead
     assert counters.bytes_read == 3 * store.read_kv(a).numel() * 4  # a, b and c from the disk once each
     cache.close()
+    store.close()
+
+
+def test_answers_are_the_same_with_reads_queued_behind_one_another_and_the_pool_under_pressure(
+        tmp_path, tiny, monkeypatch):
+    """One chunk read ahead at a time, so the others wait their turn (and the oldest request waits
+    for its chunk with nothing running), and a pool that holds only the largest request: every
+    request finishes with the answer it has with room for everything."""
+    import functools
+
+    from serve_stores import request
+
+    from lazyrag.models.prompt import PromptFormat
+    from lazyrag.serve import Engine, engine as engine_module
+
+    store = make_store(tmp_path, "random:tiny")
+    fmt = PromptFormat(tiny.tokenizer)
+    docs = [["nile", "iron"], ["bach"], ["iron", "tokyo"], ["nile"], ["tokyo", "bach", "nile"], ["iron"],
+            ["bach", "iron"], ["tokyo"]]
+
+    def reqs():
+        return [request(store, fmt, str(i), d, f"Question {i}?", 3) for i, d in enumerate(docs)]
+
+    def answers(cache_bytes, **loader_kw):
+        monkeypatch.setattr(engine_module, "ChunkLoader", functools.partial(ChunkLoader, **loader_kw))
+        engine = Engine(tiny, store, "lazy", cache_bytes=cache_bytes, batch_size=3, stop_at_eos=False)
+        done = {}
+        engine.run(reqs(), lambda seq: done.__setitem__(seq.id, list(seq.generated)))
+        counters = engine.cache.counters
+        engine.close()
+        return done, counters
+
+    roomy, _ = answers(64 << 20)
+    chunk = max(c.padded_length for r in reqs() for c in r.chunks) * store.settings.row_bytes
+    pool = pool_for(store)
+    largest = max(sum(pool.pages_for(c.padded_length) for c in r.chunks) for r in reqs())
+    tight, counters = answers((largest + 8) * pool.bytes_per_page, staging_bytes=chunk)
+    assert sorted(tight) == [str(i) for i in range(len(docs))] and tight == roomy
+    assert counters.evictions > 0 and counters.read_ahead > 0
     store.close()
