@@ -156,9 +156,10 @@ def test_run_hands_back_each_finished_request(tmp_path, tiny):
     assert [len(by_id[i].generated) for i in "123"] == [3, 2, 1]
     assert by_id["1"].meta == {"answers": ["Fe"]} and by_id["1"].chunks == reqs[0].chunks
     assert all(0 < r.ttft_ms <= r.latency_ms for r in done)
-    # 1 and 2 are admitted together: 2 finds iron placed by 1; 3 comes later and finds nile
-    n_nile, n_iron = len(store.doc_chunks("nile")), len(store.doc_chunks("iron"))
-    assert [(by_id[i].hits, by_id[i].misses) for i in "123"] == [(0, n_nile + n_iron), (n_iron, 0), (n_nile, 0)]
+    # each chunk is a miss for the first request placed on it and a hit for the later ones (which
+    # request goes first depends on which reads end first)
+    assert all(by_id[i].hits + by_id[i].misses == len(by_id[i].chunks) for i in "123")
+    assert sum(by_id[i].misses for i in "123") == len(store.doc_chunks("nile")) + len(store.doc_chunks("iron"))
     chunk_pages = sum(engine.pool.pages_for(c.padded_length) for c in reqs[0].chunks)
     assert engine.pool.used - used0 == chunk_pages  # only the chunks stay
 
