@@ -208,8 +208,9 @@ class ChunkCache:
 
     def prefetch(self, infos: list[ChunkInfo]) -> None:
         """Read ahead the chunks coming requests need that are not in the pool, in the order given
-        (the order they will be needed); replaces the previous call's list. Chunks whose reads
-        have finished are loaded into free pages now (never evicting anything for them)."""
+        (the order the scheduler wants them read); replaces the previous call's list. Chunks whose loads
+        wait for nothing (reads finished, or kept by the host tier) are loaded into free pages now
+        (never evicting anything for them)."""
         self.loader.prefetch([info for info in infos if info.chunk_id not in self._resident])
         for info in self.loader.finished():
             n = self.pool.pages_for(info.padded_length)

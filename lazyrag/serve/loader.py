@@ -1,6 +1,6 @@
 """Chunk I/O: getting a chunk's KV from the store (or the host tier) into pool pages.
 
-The look-ahead names the chunks coming requests need, in the order they will need them. Reads
+The look-ahead names the chunks coming requests need, in the order to read them. Reads
 start in that order while the bytes read ahead and not yet loaded stay within a budget (the
 staging buffers they land in), and every load that consumes one starts the next, so the store
 is read while the GPU works. At most half the cores' worth of chunks are read at once
@@ -63,7 +63,7 @@ class Loader(Protocol):
     """What the chunk cache needs from its I/O."""
 
     def prefetch(self, infos: list[ChunkInfo]) -> None:
-        """The chunks coming requests need, none in the pool, in the order they will be needed;
+        """The chunks coming requests need, none in the pool, in the order to read them;
         each call replaces the last one's list."""
 
     def reading(self, chunk_id: str) -> bool:
@@ -75,7 +75,7 @@ class Loader(Protocol):
 
     def finished(self) -> list[ChunkInfo]:
         """The look-ahead's chunks that loading now waits for nothing for, not loaded yet: reads
-        done (in need order), then chunks the host tier keeps."""
+        done (in the look-ahead's order), then chunks the host tier keeps."""
 
     def load(self, info: ChunkInfo, pages: list[int]) -> LoadReport:
         """Write the chunk's KV into `pages` (free pages: nothing in flight reads them)."""
@@ -334,7 +334,7 @@ class ChunkLoader:
         self.process = shared_read_process(threads)
         self.process.start()
         self.pending: dict[str, _Read] = {}  # reads started by the look-ahead and not loaded yet
-        self.wanted: list[ChunkInfo] = []    # the look-ahead's chunks not started yet, in need order
+        self.wanted: list[ChunkInfo] = []    # the look-ahead's chunks not started yet, in its order
         self.kept_wanted: dict[str, ChunkInfo] = {}  # the look-ahead's chunks the host tier keeps
         self.budget, self.ahead_bytes = staging_bytes, 0
         self.stream = torch.cuda.Stream(pool.kv.device) if pool.kv.is_cuda else None
