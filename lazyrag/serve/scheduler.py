@@ -108,6 +108,8 @@ class Scheduler:
         self._exhausted = False
         self._alone: set[int] = set()  # id() of sequences to admit in a prefill step of their own
         self.steps = steps if steps is not None else StepCounts()
+        self._read_for: tuple[Sequence, ...] = ()  # the waiting sequences `_reads` was ordered for
+        self._reads: list[ChunkInfo] = []
 
     def schedule(self) -> Step | None:
         """The next step, or None once the source is exhausted and every sequence has finished.
@@ -182,7 +184,12 @@ class Scheduler:
         """Take arrived sequences and start reading the chunks they need, the most shared first;
         True when the source said nothing has arrived yet."""
         stream_idle = self._refill()
-        self.cache.prefetch(read_order(self.mode.cached_chunks(seq.request) for seq in self.waiting))
+        waiting = tuple(self.waiting)
+        if len(waiting) != len(self._read_for) or any(a is not b for a, b in zip(waiting, self._read_for)):
+            # ordered again only when the waiting sequences changed: not at each decode step
+            self._read_for = waiting
+            self._reads = read_order(self.mode.cached_chunks(seq.request) for seq in waiting)
+        self.cache.prefetch(self._reads)
         return stream_idle
 
     def _refill(self) -> bool:

@@ -260,3 +260,23 @@ def test_steps_are_counted_with_the_sequences_they_hold():
     assert sched.decodes_next(sched.running, pending=1)
     s = sched.steps
     assert (s.prefills, s.prefilled, s.decodes, s.decoded) == (2, 3, 3, 6)
+
+
+def test_the_read_order_is_made_again_only_when_the_waiting_requests_change(monkeypatch):
+    from lazyrag.serve import scheduler as scheduler_module
+
+    calls, original = [], scheduler_module.read_order
+    monkeypatch.setattr(scheduler_module, "read_order", lambda needs: calls.append(1) or original(needs))
+    seqs = [sequence(str(i), [A], QUESTION, 4) for i in range(3)]
+    sched, _, _ = setup(32, seqs, batch_size=2)
+    assert [s.id for s in sched.schedule().batch] == ["0", "1"]
+    assert not sched.schedule().prefill
+    made = len(calls)  # for 0, 1 and 2 waiting, then for 2 alone
+    for _ in range(3):
+        assert not sched.schedule().prefill  # the batch is full: "2" waits, unchanged
+    assert len(calls) == made == 2
+    finish(seqs[0])
+    sched.retire()
+    assert [s.id for s in sched.schedule().batch] == ["2"]
+    sched.schedule()
+    assert len(calls) == made + 1  # nobody waits now: ordered once for the empty queue
