@@ -214,6 +214,23 @@ class Sweep:
         """A cold lazy run with one loader or scheduler setting changed, set against the default's warm run."""
         return bool(self.read_threads or self.host_checksums or self.lookahead or self.need_order)
 
+    @property
+    def label(self) -> str:
+        """The row's mode: the mode, or the setting this run changed."""
+        if self.need_order:
+            return "lazy, reads in need order"
+        if self.lookahead:
+            return f"lazy, look-ahead {self.lookahead}"
+        if self.host_checksums:
+            return "lazy, crc32c on the host"
+        if self.read_threads:
+            return f"lazy, {self.read_threads} chunk reads at once"
+        if not self.prefill_graphs:
+            return "lazy, prefill op by op"
+        if self.mode == "lazy" and not self.shared:
+            return "lazy, per-request pages"
+        return self.mode
+
 
 def batch_sweep(kw: dict, loaded, store, prompts, questions, cache_gb: float, args, model: str, save, out,
                 uniform=None) -> list:
@@ -276,18 +293,7 @@ def batch_sweep(kw: dict, loaded, store, prompts, questions, cache_gb: float, ar
                     r.update(disk_bound(store.path, r))
             except Exception as exc:  # block's copies may not fit a large batch: say so
                 r = {"mode": c.mode, "batch_size": bs, "warm": c.warm, "error": str(exc)[:120]}
-            if c.mode == "lazy" and not c.shared:
-                r["mode"] = "lazy, per-request pages"
-            if not c.prefill_graphs:
-                r["mode"] = "lazy, prefill op by op"
-            if c.read_threads:
-                r["mode"] = f"lazy, {c.read_threads} chunk reads at once"
-            if c.host_checksums:
-                r["mode"] = "lazy, crc32c on the host"
-            if c.lookahead:
-                r["mode"] = f"lazy, look-ahead {c.lookahead}"
-            if c.need_order:
-                r["mode"] = "lazy, reads in need order"
+            r["mode"] = c.label
             r.update(recompute=c.fraction, policy=args.recompute_policy, page_size=args.page_size, reuse=c.reuse,
                      order=c.order, workload=c.workload, sweep_requests=c.requests, disk=c.disk)
             r.update(recompute_floor(loaded, r, store))
