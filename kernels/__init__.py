@@ -110,12 +110,13 @@ def rotate_copy(k_pages: Tensor, v_pages: Tensor, src: Tensor, dst: Tensor, delt
                                                k_scale=k_scale, v_scale=v_scale, dst_k_scale=dks, dst_v_scale=dvs)
 
 
-def bit_rows(data: Tensor, pad: int, matrix: Tensor, xor: int = 0) -> Tensor:
+def bit_rows(data: Tensor, pad: int, matrix: Tensor, xor: int = 0, out: Tensor | None = None) -> Tensor:
     """``data`` (a contiguous uint8 vector) after ``pad`` zero bytes (0 <= pad < 64), and zeros
     after it to a whole row, as rows of 64 bytes; each row's 512 bits (bit b of byte j is bit
     8 * j + b) times ``matrix`` ([512, 32], 0/1 in fp16, on the same device) over GF(2). An int32
     per row: its bit c the parity of the row's bits that column c selects, XORed with ``xor``
-    (32 bits)."""
+    (32 bits). Written into ``out`` (a contiguous int32 vector of one element per row) when given,
+    so that a caller on a stream of its own allocates nothing."""
     if data.dtype != torch.uint8 or data.dim() != 1 or not data.is_contiguous():
         raise ValueError(f"data must be a contiguous uint8 vector, got {data.dtype} of shape {tuple(data.shape)}")
     if tuple(matrix.shape) != (512, 32) or matrix.dtype != torch.float16 or not matrix.is_contiguous():
@@ -124,7 +125,14 @@ def bit_rows(data: Tensor, pad: int, matrix: Tensor, xor: int = 0) -> Tensor:
         raise ValueError(f"matrix is on {matrix.device}, data on {data.device}")
     if not 0 <= pad < 64:
         raise ValueError(f"pad must be 0..63 bytes, got {pad}")
-    return implementation(data).bit_rows(data, pad, matrix, xor)
+    rows = -(-(pad + data.numel()) // 64)
+    if out is None:
+        out = torch.empty(rows, dtype=torch.int32, device=data.device)
+    elif out.dtype != torch.int32 or tuple(out.shape) != (rows,) or not out.is_contiguous() or out.device != data.device:
+        raise ValueError(f"out must be a contiguous int32 vector of {rows} elements on {data.device}, got {out.dtype} "
+                         f"of shape {tuple(out.shape)} on {out.device}")
+    implementation(data).bit_rows(data, pad, matrix, xor, out)
+    return out
 
 
 def rows_to_pages(rows: Tensor, pool: Tensor, pages: Tensor) -> None:

@@ -37,13 +37,11 @@ def _bit_rows_kernel(DATA, MAT, OUT, n, pad, rows, xor,
     tl.store(OUT + offs_m, word, mask=offs_m < rows)
 
 
-def bit_rows(data: torch.Tensor, pad: int, matrix: torch.Tensor, xor: int = 0,
-             block_m: int = 64, step: int = 16) -> torch.Tensor:
+def bit_rows(data: torch.Tensor, pad: int, matrix: torch.Tensor, xor: int, out: torch.Tensor,
+             block_m: int = 64, step: int = 16) -> None:
     """See kernels.bit_rows."""
-    rows = -(-(pad + data.numel()) // ROW_BYTES)
-    out = torch.empty(rows, dtype=torch.int32, device=data.device)
+    rows = out.numel()
     if rows:
         signed_xor = xor - (1 << 32) if xor >= 1 << 31 else xor  # an int32 argument, whatever its top bit
         _bit_rows_kernel[(triton.cdiv(rows, block_m),)](data, matrix, out, data.numel(), pad, rows, signed_xor,
                                                         BLOCK_M=block_m, STEP=step, ROW=ROW_BYTES, BITS=BITS)
-    return out

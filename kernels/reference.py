@@ -198,20 +198,20 @@ def shared_decode(q: Tensor, k_pages: Tensor, v_pages: Tensor, pages: PageTable,
                        ape_scale, k_scale, v_scale)
 
 
-def bit_rows(data: Tensor, pad: int, matrix: Tensor, xor: int = 0) -> Tensor:
-    """Each 64-byte row's bits times a 0/1 matrix, mod 2 (see kernels.bit_rows)."""
-    rows = -(-(pad + data.numel()) // 64)
+def bit_rows(data: Tensor, pad: int, matrix: Tensor, xor: int, out: Tensor) -> None:
+    """Each 64-byte row's bits times a 0/1 matrix, mod 2, into ``out`` (see kernels.bit_rows)."""
+    rows = out.numel()
     padded = torch.zeros(rows * 64, dtype=torch.uint8, device=data.device)
     padded[pad: pad + data.numel()] = data
     shifts = torch.arange(8, device=data.device)
     powers = torch.ones(32, dtype=torch.int64, device=data.device) << torch.arange(32, device=data.device)
-    words = []
+    done = 0
     for block in padded.view(rows, 64).split(1 << 14):  # about 64 MB of fp32 bits at a time
         bits = ((block[:, :, None] >> shifts) & 1).reshape(len(block), 512).float()
         parity = (bits @ matrix.float()).long() & 1  # sums of at most 512 ones: exact in fp32
-        words.append((parity * powers).sum(1) ^ (xor & 0xFFFFFFFF))
-    out = torch.cat(words) if words else torch.zeros(0, dtype=torch.int64, device=data.device)
-    return torch.where(out >= 1 << 31, out - (1 << 32), out).to(torch.int32)
+        words = (parity * powers).sum(1) ^ (xor & 0xFFFFFFFF)
+        out[done: done + len(block)] = torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+        done += len(block)
 
 
 def rows_to_pages(rows: Tensor, pool: Tensor, pages: Tensor) -> None:

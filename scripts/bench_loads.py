@@ -39,7 +39,7 @@ def timed_ms(fn, repeats: int) -> float:
 def main() -> None:
     from lazyrag import kernels
     from lazyrag.kernels import reference, triton_ops
-    from lazyrag.serve.device_checksums import ROW, device_crc32c, level_matrix
+    from lazyrag.serve.device_checksums import ROW, device_crc32c, level_matrix, scratch_words
     from lazyrag.store import pack_fp8_rows
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -74,15 +74,17 @@ def main() -> None:
     copy = torch.empty_like(raw)
     row("H2D from pinned memory", timed_ms(lambda: copy.copy_(pinned, non_blocking=True), args.repeats))
     row("D2D copy (HBM: read + write)", timed_ms(lambda: copy.copy_(raw), args.repeats))
-    row("crc32c, device_crc32c (all levels)", timed_ms(lambda: device_crc32c(raw), args.repeats))
+    scratch = torch.empty(scratch_words(nbytes), dtype=torch.int32, device=dev)  # as the loader's
+    row("crc32c, device_crc32c (all levels)", timed_ms(lambda: device_crc32c(raw, scratch), args.repeats))
     matrix = level_matrix(0, dev)
-    want = triton_ops.bit_rows(raw, 0, matrix)
+    want = kernels.bit_rows(raw, 0, matrix)
+    got = torch.empty_like(want)
     for tiling in args.tilings.split(","):
         block_m, step = (int(x) for x in tiling.split("x"))
-        got = triton_ops.bit_rows(raw, 0, matrix, block_m=block_m, step=step)
+        triton_ops.bit_rows(raw, 0, matrix, 0, got, block_m=block_m, step=step)
         same = "" if torch.equal(got, want) else " (WRONG words)"
         row(f"crc32c first level, bit_rows {block_m} rows x {step} bytes{same}",
-            timed_ms(lambda: triton_ops.bit_rows(raw, 0, matrix, block_m=block_m, step=step), args.repeats))
+            timed_ms(lambda: triton_ops.bit_rows(raw, 0, matrix, 0, got, block_m=block_m, step=step), args.repeats))
     assert nbytes % ROW == 0
     on_device = rows.to(dev)
     for name, pool_dtype in (("bf16", torch.bfloat16), ("fp8", kernels.FP8)):

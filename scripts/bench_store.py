@@ -213,7 +213,7 @@ def beside_h2d(measure) -> tuple[float, float]:
 def gpu_check_gb_s(nbytes: int = 264 << 20, reps: int = 10) -> tuple[float, float]:
     """GB/s of device_crc32c over ``nbytes``, and of a device copy of them counted as bytes read
     plus written (what HBM moves), timed with CUDA events after a warm-up."""
-    from lazyrag.serve.device_checksums import device_crc32c
+    from lazyrag.serve.device_checksums import device_crc32c, scratch_words
 
     data = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device="cuda")
     copy = torch.empty_like(data)
@@ -228,7 +228,8 @@ def gpu_check_gb_s(nbytes: int = 264 << 20, reps: int = 10) -> tuple[float, floa
         end.synchronize()
         return start.elapsed_time(end) / 1e3 / reps
 
-    crc_s = timed(lambda: device_crc32c(data))
+    scratch = torch.empty(scratch_words(data.numel()), dtype=torch.int32, device=data.device)  # as the loader's
+    crc_s = timed(lambda: device_crc32c(data, scratch))
     copy_s = timed(lambda: copy.copy_(data))
     return nbytes / crc_s / 1e9, 2 * nbytes / copy_s / 1e9
 

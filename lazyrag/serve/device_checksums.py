@@ -42,30 +42,45 @@ def level_matrix(level: int, device: torch.device) -> torch.Tensor:
     return _matrices[key]
 
 
-def device_crc32c(data: torch.Tensor) -> torch.Tensor:
+def device_crc32c(data: torch.Tensor, scratch: torch.Tensor | None = None) -> torch.Tensor:
     """crc32c of a contiguous uint8 vector's bytes, computed on its device: a one-element int32
     tensor there holding its 32 bits (``int(t) & 0xFFFFFFFF`` on the host). Queued on the current
-    stream; nothing waits for it."""
+    stream; nothing waits for it. ``scratch``: an int32 vector of at least ``scratch_words(n)``
+    elements on that device that every level writes into (the result is a view of it), so that
+    the check allocates nothing: an allocation on a reader thread's stream makes a device segment
+    of its own, and making one waits for every copy in flight."""
     n = data.numel()
     if n == 0:
         return torch.zeros(1, dtype=torch.int32, device=data.device)
-    level, x = 0, data
+    level, x, used = 0, data, 0
     while True:
         rows = -(-x.numel() // ROW)
         last = rows == 1
+        out = None if scratch is None else scratch[used: used + rows]
         x = kernels.bit_rows(x, rows * ROW - x.numel(), level_matrix(level, data.device),
-                             conditioning(n) if last else 0)
+                             conditioning(n) if last else 0, out=out)
         if last:
             return x
-        x, level = x.view(torch.uint8), level + 1
+        x, level, used = x.view(torch.uint8), level + 1, used + rows
+
+
+def level_rows(nbytes: int) -> list[int]:
+    """The registers each level of the crc32c of ``nbytes`` bytes makes (one bit_rows launch each)."""
+    rows = [-(-nbytes // ROW)]
+    while rows[-1] > 1:
+        rows.append(-(-rows[-1] // FOLD))
+    return rows
 
 
 def levels(nbytes: int) -> int:
     """bit_rows launches (tree levels) for the crc32c of ``nbytes`` bytes."""
-    count, rows = 1, -(-nbytes // ROW)
-    while rows > 1:
-        count, rows = count + 1, -(-rows // FOLD)
-    return count
+    return len(level_rows(nbytes))
+
+
+def scratch_words(nbytes: int) -> int:
+    """The int32 words device_crc32c's levels write for ``nbytes`` bytes (a sixteenth of them, and a
+    little more)."""
+    return sum(level_rows(nbytes))
 
 
 def device_checks_work(device: torch.device, largest: int = 0) -> str | None:

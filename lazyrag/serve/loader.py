@@ -37,7 +37,7 @@ from typing import Callable, Protocol
 import crc32c
 import torch
 
-from lazyrag.serve.device_checksums import device_checks_work, device_crc32c
+from lazyrag.serve.device_checksums import device_checks_work, device_crc32c, scratch_words
 from lazyrag.serve.memory import available_bytes
 from lazyrag.serve.paged import PagePool
 from lazyrag.store import ChunkInfo, Store, rows_dtype
@@ -247,17 +247,27 @@ def wait_staging_pinned() -> None:
 
 
 class DeviceCopies:
-    """Buffers on the pool's device that staged reads are copied into and checked in, all made
-    with the loader: a device allocation under a cold run waits for every copy in flight, and
-    buffers made per reader thread's stream are not shared between them. A read takes one (none
-    free: it is checked on the host); its load gives it back with the event of the copy out of
-    it, which the next read's copy into it waits for on the device."""
+    """Buffers on the pool's device that staged reads are copied into and checked in, each with
+    the memory its crc32c works in and a host word its result lands in, all made with the loader:
+    a device allocation under a cold run waits for every copy in flight, and memory allocated on a
+    reader thread's stream is not shared with the others (each made device segments of its own for
+    the crc32c's levels: 16-18 a cold run on an H200). A read takes a buffer (none free: it is
+    checked on the host); its load gives it back with the event of the copy out of it, which the
+    next read's copy into it waits for on the device."""
 
     def __init__(self, nbytes: int, count: int, device: torch.device):
         self.nbytes, self.count = nbytes, count
         self.memory = torch.empty(count * nbytes, dtype=torch.uint8, device=device)
+        self.words = scratch_words(nbytes)
+        self.scratch = torch.empty(count * self.words, dtype=torch.int32, device=device)
+        self.results = torch.empty(count, dtype=torch.int32, pin_memory=device.type == "cuda")
         self.free: deque[tuple[int, torch.cuda.Event | None]] = deque((i, None) for i in range(count))
         self._lock = threading.Lock()
+
+    @staticmethod
+    def bytes_each(nbytes: int) -> int:
+        """Device bytes one buffer of ``nbytes`` takes, its crc32c's working memory included."""
+        return nbytes + 4 * scratch_words(nbytes)
 
     def take(self) -> tuple[int, torch.cuda.Event | None] | None:
         with self._lock:
@@ -265,6 +275,15 @@ class DeviceCopies:
 
     def buffer(self, index: int, nbytes: int) -> torch.Tensor:
         return self.memory[index * self.nbytes: index * self.nbytes + nbytes]
+
+    def crc32c(self, index: int, nbytes: int) -> torch.Tensor:
+        """The crc32c of buffer ``index``'s first ``nbytes`` queued on the current stream, in its own
+        working memory, and its copy to the host queued after it: the one-element host tensor it
+        lands in, to read once the stream has run."""
+        crc = device_crc32c(self.buffer(index, nbytes), self.scratch[index * self.words: (index + 1) * self.words])
+        result = self.results[index: index + 1]
+        result.copy_(crc, non_blocking=True)
+        return result
 
     def give(self, index: int, copied: torch.cuda.Event | None = None) -> None:
         with self._lock:
@@ -324,7 +343,7 @@ class ChunkLoader:
             # within a quarter of the memory free, so that they never take the steps' working memory
             room = available_bytes(pool.kv.device) if pool.kv.is_cuda else None
             room = min(staging_bytes, room // 4) if room is not None else staging_bytes
-            copies = min(room // nbytes, count, store.num_chunks)
+            copies = min(room // DeviceCopies.bytes_each(nbytes), count, store.num_chunks)
             if copies:
                 self.device_copies = DeviceCopies(nbytes, copies, pool.kv.device)
         self.host = _HostTier(int(host_cache_bytes))
@@ -460,45 +479,38 @@ class ChunkLoader:
     def _check_on_device(self, read: _Read, host: torch.Tensor) -> None:
         """The chunk's bytes copied into a DeviceCopies buffer, their crc32c checked there
         (ChunkReadError when it is not the catalog's): read.on_device and read.copy. When no
-        buffer is free (or the check runs out of memory), they are checked here and loaded from
-        the host.
+        buffer is free, they are checked here and loaded from the host.
         A reader thread calls this."""
         raw = host.view(-1).view(torch.uint8)
         taken = self.device_copies.take() if self.device_copies is not None else None
-        crc = None
-        if taken is not None:
-            try:
-                crc = self._crc_on_device(raw, *taken)
-            finally:
-                if crc is None:
-                    self.device_copies.give(taken[0])
-        if crc is None:  # no buffer on the device
+        if taken is None:  # no buffer on the device
             self.store.check_crc(read.info, crc32c.crc32c(raw.numpy()))
             return
         index = taken[0]
-        got = int(crc) & 0xFFFFFFFF
+        try:
+            got = self._crc_on_device(raw, *taken)
+        except BaseException:
+            self.device_copies.give(index)
+            raise
         if got != read.info.checksum:
             self.device_copies.give(index)
             self.store.check_crc(read.info, got)  # raises
         on_device = self.device_copies.buffer(index, raw.numel())
         read.on_device, read.copy = on_device.view(host.dtype).view(host.shape), index
 
-    def _crc_on_device(self, raw: torch.Tensor, index: int, copied: torch.cuda.Event | None) -> torch.Tensor | None:
+    def _crc_on_device(self, raw: torch.Tensor, index: int, copied: torch.cuda.Event | None) -> int:
         """``raw`` copied into DeviceCopies buffer ``index`` once the copy out of it (``copied``) has
-        run, on this thread's stream, and its crc32c taken there: a one-element tensor on the host;
-        None when the check runs out of memory."""
-        on_device = self.device_copies.buffer(index, raw.numel())
+        run, on this thread's stream, and its crc32c taken there (allocating nothing); returns
+        when both have run (the staging buffer may be written again)."""
+        copies = self.device_copies
         with self._own_stream(self.pool.kv.device) as stream:
-            try:
-                if stream is not None and copied is not None:
-                    stream.wait_event(copied)  # the last load's copy out of this buffer
-                on_device.copy_(raw, non_blocking=True)
-                crc = device_crc32c(on_device).to("cpu", non_blocking=True)
-            except torch.OutOfMemoryError:  # the check's own small tensors
-                crc = None
+            if stream is not None and copied is not None:
+                stream.wait_event(copied)  # the last load's copy out of this buffer
+            copies.buffer(index, raw.numel()).copy_(raw, non_blocking=True)
+            result = copies.crc32c(index, raw.numel())
             if stream is not None:
-                stream.synchronize()  # whatever was queued has run: the staging buffer may be written again
-        return crc
+                stream.synchronize()
+        return int(result) & 0xFFFFFFFF
 
     @contextlib.contextmanager
     def _own_stream(self, device: torch.device):
