@@ -4,10 +4,10 @@
 bench_e2e's cold runs come after warm-up runs in the same process, which have already pinned
 the loader's staging buffers. A fresh `answer` process has pinned nothing: pinning is slow and
 serial (about 0.2 s per 277 MB buffer on an H200 machine), so `answer` starts pinning them on a
-thread of its own before its model loads (lazyrag/serve/loader.py, pin_staging_ahead). Here each
-run is a new process that does the same, loads the model (timed), makes an engine (timed) and
-answers the paper workload's first N requests cold (timed); then makes a second engine and
-answers them cold again, its buffers now pinned (the baseline, measured in the same process).
+thread of its own before its model loads (lazyrag/serve/loader.py, pin_staging_ahead, pinning
+lazyrag/serve/staging.py's buffers). Here each run is a new process that does the same, loads
+the model (timed), makes an engine (timed) and answers the paper workload's first N requests
+cold (timed); then makes a second engine and answers them cold again, its buffers now pinned (the baseline, measured in the same process).
 With --under-reads-too, a second kind of process pins nothing ahead: its reader threads pin the
 buffers as they first write them, for the A/B. The store is in the page cache for every run (the
 parent reads it once after indexing).
@@ -46,18 +46,18 @@ def child(args) -> dict:
     import torch
 
     from lazyrag.models import load_model
-    from lazyrag.serve import loader
+    from lazyrag.serve import loader, staging
     from lazyrag.store import Store
 
     pinned: list[tuple[float, str]] = []  # when each staging buffer was made, and on which thread
-    make = loader.SharedBuffer
+    make = staging.SharedBuffer
 
     def recorded(*a, **k):
         buf = make(*a, **k)
-        pinned.append((time.perf_counter(), loader.threading.current_thread().name))
+        pinned.append((time.perf_counter(), staging.threading.current_thread().name))
         return buf
 
-    loader.SharedBuffer = recorded
+    staging.SharedBuffer = recorded
     t = time.perf_counter()
     store = Store.open(args.store)
     if not args.under_reads:  # as `answer` does (lazyrag/commands/answer_engine.py)

@@ -29,7 +29,8 @@ from lazyrag.eval import scoring
 from lazyrag.eval.fidelity import fidelity
 from lazyrag.models import resolve_device
 from lazyrag.serve import Sequence, faults
-from lazyrag.serve.loader import pin_staging_ahead, wait_staging_pinned
+from lazyrag.serve.loader import pin_staging_ahead
+from lazyrag.serve.staging import wait_staging_pinned
 from lazyrag.store import ChunkInfo, Store, StoreError
 from lazyrag.store.format import timestamp
 from lazyrag.workload import SYNTHETIC, Workload, documents, write_jsonl

@@ -5,7 +5,7 @@ start in that order while the bytes read ahead and not yet loaded stay within a 
 staging buffers they land in), and every load that consumes one starts the next, so the store
 is read while the GPU works. At most half the cores' worth of chunks are read at once
 (`chunk_read_threads`), each by the reader process (lazyrag/store/read_process.py) in pieces,
-which writes the staging buffers it shares with this one: on an H200 machine (16 cores) 8
+which writes the staging buffers it shares with this one (lazyrag/serve/staging.py): on an H200 machine (16 cores) 8
 reader threads in the serving process slowed the step loop's launches 1.5x, the same reads in
 another process not at all (scripts/bench_read_contention.py). On a GPU a read ends on the GPU:
 its reader thread copies the bytes there on a stream of its own, into one of the buffers made
@@ -32,7 +32,7 @@ import time
 from collections import OrderedDict, deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Protocol
 
 import crc32c
 import torch
@@ -40,11 +40,10 @@ import torch
 from lazyrag.serve.device_checksums import device_checks_work, device_crc32c, scratch_words
 from lazyrag.serve.memory import available_bytes
 from lazyrag.serve.paged import PagePool
+from lazyrag.serve.staging import STAGING_BYTES, Slot, Staging, staging_shape
 from lazyrag.store import ChunkInfo, Store, rows_dtype
 from lazyrag.store.integrity import Warn, warn_stderr
 from lazyrag.store.read_process import SharedBuffer, shared_read_process
-
-Slot = tuple  # (staging buffer, or None: make one when first written; event of its last copy, or None)
 
 
 @dataclass
@@ -128,104 +127,6 @@ class _HostTier:
         return evicted
 
 
-class Staging:
-    """Host buffers that chunk reads land in on their way to the pool, recycled: SharedBuffers the
-    reader process writes, pinned on a GPU.
-
-    Pinning memory is slow and does not run in parallel (about 0.2 s per 277 MB buffer on an H200
-    machine, 1.6 s for 8 on 8 threads), so buffers are kept for the process (handed from loader to
-    loader), and `answer` has the first ones pinned on a thread of their own while its model loads
-    (`pin_staging_ahead`), each mapped by the reader process as soon as it is made. A reader thread
-    that finds no buffer ready waits for that thread while it owes one; otherwise it makes its own.
-    A buffer is written again only after its last copy to the GPU has run: the reader thread waits
-    for that copy, not the engine.
-    """
-
-    # process-wide, by (size in bytes, pinned): the buffers ready, and those the pinning thread owes
-    _spare: dict[tuple[int, bool], list[SharedBuffer]] = {}
-    _owed: dict[tuple[int, bool], int] = {}
-    _ready = threading.Condition()
-
-    def __init__(self, nbytes: int, count: int, pin: bool):
-        self.nbytes, self.pin = nbytes, pin
-        self.key = (nbytes, pin)
-        self.free: deque[Slot] = deque((None, None) for _ in range(count))
-
-    @classmethod
-    def pin_ahead(cls, nbytes: int, count: int, device: torch.device | None = None,
-                  share: Callable[[SharedBuffer], None] | None = None) -> None:
-        """Start pinning, on a thread of its own, as many buffers of ``nbytes`` as the process lacks
-        to hold ``count``, each handed to ``share`` (the reader process, which maps it) once made."""
-        key = (nbytes, True)
-        with cls._ready:
-            owed = count - len(cls._spare.get(key, [])) - cls._owed.get(key, 0)
-            if owed <= 0:
-                return
-            cls._owed[key] = cls._owed.get(key, 0) + owed
-        threading.Thread(target=cls._make, args=(key, owed, device, share), name="lazyrag-pin", daemon=True).start()
-
-    @classmethod
-    def _make(cls, key: tuple[int, bool], owed: int, device: torch.device | None,
-              share: Callable[[SharedBuffer], None] | None) -> None:
-        try:
-            if device is not None and device.type == "cuda" and device.index is not None:
-                torch.cuda.set_device(device.index)  # a pinning counts for the device current on its thread
-            while owed:
-                buf = SharedBuffer(*key)
-                if share is not None:
-                    share(buf)
-                with cls._ready:
-                    cls._spare.setdefault(key, []).append(buf)
-                    cls._owed[key] -= 1
-                    owed -= 1
-                    cls._ready.notify_all()
-        except BaseException:
-            pass  # the reader threads make their own buffers, and the first that fails says why
-        finally:
-            with cls._ready:  # whatever is still owed never comes: nobody waits for it
-                cls._owed[key] -= owed
-                cls._ready.notify_all()
-
-    def take(self) -> Slot | None:
-        return self.free.popleft() if self.free else None
-
-    def give(self, buf: SharedBuffer | None, copied: torch.cuda.Event | None = None) -> None:
-        """A buffer back (None: one the host tier kept; a new one is made when needed)."""
-        self.free.append((buf, copied))
-
-    def writable(self, slot: Slot) -> SharedBuffer:
-        """The slot's buffer once no copy reads it: a ready one, or the next one pinned, or made now
-        if none is owed (a reader thread calls this)."""
-        buf, copied = slot
-        if copied is not None:
-            copied.synchronize()
-        if buf is None:
-            with self._ready:
-                self._ready.wait_for(lambda: self._spare.get(self.key) or not self._owed.get(self.key))
-                spare = self._spare.get(self.key)
-                buf = spare.pop() if spare else None
-        return buf if buf is not None else SharedBuffer(self.nbytes, pin=self.pin)
-
-    def close(self) -> None:
-        while self.free:
-            buf, copied = self.free.popleft()
-            if buf is not None:
-                if copied is not None:
-                    copied.synchronize()
-                with self._ready:
-                    self._spare.setdefault(self.key, []).append(buf)
-
-
-STAGING_BYTES = 4 << 30  # a loader's default budget of bytes read ahead and not loaded yet
-
-
-def staging_shape(store: Store, staging_bytes: int = STAGING_BYTES) -> tuple[int, int]:
-    """A loader's staging over ``store``: (bytes a buffer holds: the store's longest chunk, buffers);
-    (0, 0) for an empty store."""
-    chunk_bytes = store.max_padded_length() * store.settings.row_bytes  # fp8 rows carry their scales
-    return (chunk_bytes, max(2, staging_bytes // chunk_bytes)) if chunk_bytes else (0, 0)
-
-
 def pin_staging_ahead(store: Store, device: torch.device, staging_bytes: int = STAGING_BYTES) -> None:
     """On a GPU, start pinning the first staging buffers a loader over ``store`` uses on a thread of
     their own: two per chunk read at once, within its budget and at most one per stored chunk (each
@@ -238,12 +139,6 @@ def pin_staging_ahead(store: Store, device: torch.device, staging_bytes: int = S
         threads = chunk_read_threads()
         Staging.pin_ahead(nbytes, min(count, store.num_chunks, 2 * threads), device,
                           share=shared_read_process(threads).share)
-
-
-def wait_staging_pinned() -> None:
-    """Return once the buffers pin_staging_ahead started are pinned (or have failed)."""
-    with Staging._ready:
-        Staging._ready.wait_for(lambda: not any(Staging._owed.values()))
 
 
 class DeviceCopies:

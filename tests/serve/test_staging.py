@@ -12,7 +12,9 @@ import torch
 from serve_stores import make_store
 
 from lazyrag.serve import loader
-from lazyrag.serve.loader import Staging, pin_staging_ahead, staging_shape, wait_staging_pinned
+from lazyrag.serve import staging as staging_module
+from lazyrag.serve.loader import pin_staging_ahead
+from lazyrag.serve.staging import Staging, staging_shape, wait_staging_pinned
 
 
 class FakeBuffer:
@@ -32,7 +34,7 @@ class FakeBuffer:
 @pytest.fixture(autouse=True)
 def fresh_process(monkeypatch):
     """Each test starts as a new process does: nothing pinned, nothing owed."""
-    monkeypatch.setattr(loader, "SharedBuffer", FakeBuffer)
+    monkeypatch.setattr(staging_module, "SharedBuffer", FakeBuffer)
     monkeypatch.setattr(Staging, "_spare", {})
     monkeypatch.setattr(Staging, "_owed", {})
     monkeypatch.setattr(FakeBuffer, "made", [])
