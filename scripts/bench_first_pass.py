@@ -1,16 +1,16 @@
 #!/usr/bin/env python
 """A first pass in a fresh process: what `answer` pays before its chunks flow at full speed.
 
-bench_e2e's cold runs come after warm-up runs in the same process, which have already pinned
-the loader's staging buffers. A fresh `answer` process has pinned nothing: pinning is slow and
+bench_e2e's cold runs come after warm-up runs in the same process, which have already pinned the
+loader's staging buffers. A fresh `answer` process has pinned nothing: pinning is slow and
 serial (about 0.2 s per 277 MB buffer on an H200 machine), so `answer` starts pinning them on a
 thread of its own before its model loads (lazyrag/serve/loader.py, pin_staging_ahead, pinning
 lazyrag/serve/staging.py's buffers). Here each run is a new process that does the same, loads
 the model (timed), makes an engine (timed) and answers the paper workload's first N requests
-cold (timed); then makes a second engine and answers them cold again, its buffers now pinned (the baseline, measured in the same process).
-With --under-reads-too, a second kind of process pins nothing ahead: its reader threads pin the
-buffers as they first write them, for the A/B. The store is in the page cache for every run (the
-parent reads it once after indexing).
+cold (timed); then makes a second engine and answers them cold again, its buffers now pinned
+(the baseline, measured in the same process). With --under-reads-too, a second kind of process
+pins nothing ahead: its reader threads pin the buffers as they first write them, for the A/B.
+The store is in the page cache for every run (the parent reads it once after indexing).
 
 Usage: python scripts/bench_first_pass.py --model random:llama3-8b --requests 200 --repeats 2 --under-reads-too
 """
