@@ -184,6 +184,25 @@ def test_on_a_gpu_reads_are_checked_there_by_default_and_corrupt_ones_fail(tmp_p
     store.close()
 
 
+@pytest.mark.gpu
+def test_on_a_gpu_reads_and_their_checks_make_no_device_segment(tmp_path, tiny):
+    store = make_store(tmp_path, "random:tiny", dtype="bf16")
+    chunks = [c for d in ("nile", "iron", "tokyo", "bach") for c in store.doc_chunks(d)]
+    s = store.settings
+    pool = PagePool(s.num_layers, s.num_kv_heads, s.head_dim, 64, s.page_size, torch.bfloat16, torch.device("cuda"))
+    loader = ChunkLoader(store, pool, read_threads=4)
+    assert loader.check_on_device and loader.device_copies.count >= len(chunks)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_stats().get("segment.all.allocated", 0)
+    loader.prefetch(chunks)  # each read copied to the GPU and checked there, on its reader thread's stream
+    while any(loader.reading(c.chunk_id) for c in chunks):
+        time.sleep(0.01)
+    assert all(loader.pending[c.chunk_id].on_device is not None for c in chunks)
+    assert torch.cuda.memory_stats().get("segment.all.allocated", 0) == before
+    loader.close()
+    store.close()
+
+
 @pytest.mark.parametrize("mode,kv", [("lazy", "fp32"), ("block", "fp32"), ("lazy", "fp8")])
 def test_the_engine_answers_the_same_with_reads_checked_on_the_device(request, tmp_path, monkeypatch, watched, mode,
                                                                      kv):
