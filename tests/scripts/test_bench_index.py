@@ -21,6 +21,14 @@ def test_bench_index_reports_its_rows_and_traces(tmp_path):
     table = (tmp_path / "bench_index.md").read_text()
     for row in ("bare forward", "index / min(forward, disk)", "index's timeline", "1 / 2 at once"):
         assert row in table
+    values = {k.strip(): v.strip() for k, v in (line.strip("|").split("|", 1) for line in table.splitlines()[2:])}
+    row, written = (float(x.split()[0].replace(",", "")) for x in
+                    values["KV per token: a row / written (pages padded)"].split(" / "))
+    assert written > row  # 64-token chunks and a preamble in 16-token pages: some padding
+    mb_s, tok_s = values["disk, mean of the better before and after"].split(" = ")
+    # the disk's tokens/s are its bytes/s over the bytes index writes a token, padding included
+    assert abs(float(tok_s.split()[0].replace(",", "")) - float(mb_s.split()[0].replace(",", "")) * 1e6 / written) \
+        <= 1e-3 * float(tok_s.split()[0].replace(",", "")) + 1
     for name in ("bare", "index"):
         events = json.load(gzip.open(tmp_path / f"trace-index-{name}.json.gz", "rt"))["traceEvents"]
         assert any(e.get("name") == "lazyrag.encode" for e in events)
