@@ -105,30 +105,29 @@ class ReadProcess:
              checksum: bool = True) -> int | None:
         """Read ``nbytes`` of ``path`` from ``offset`` into ``buffer`` at ``at``; their crc32c (None
         without ``checksum``).
-        StoreError (naming the file) when the read fails. The range goes as pieces of at most
-        PIECE_BYTES, queued together: the process's threads share it, so the ranges asked for
-        first finish first (whole ranges on one thread each would all finish late together)."""
+        StoreError (naming the file) when the read fails. The process reads the range as pieces of
+        at most PIECE_BYTES, queued together: its threads share it, so the ranges asked for first
+        finish first (whole ranges on one thread each would all finish late together). One message
+        each way a read, whatever its pieces, so that this process's threads take the GIL less."""
         if at < 0 or at + nbytes > buffer.nbytes:
             raise ValueError(f"bytes {at}..{at + nbytes} are outside the {buffer.nbytes}-byte buffer")
-        pieces = [(start, min(PIECE_BYTES, nbytes - start)) for start in range(0, nbytes, PIECE_BYTES)] or [(0, 0)]
-        waits: list[Future] = []
+        piece = PIECE_BYTES
         with self._lock:
             child = self._running()
             child.share(buffer)
-            for start, n in pieces:
-                rid = next(self._ids)
-                child.waiting[rid] = done = Future()
-                waits.append(done)
-                child.send({"op": "read", "id": rid, "buffer": buffer.id, "at": at + start, "path": str(path),
-                            "offset": offset + start, "nbytes": n, "crc": checksum})
-        answers = [done.result() for done in waits]  # every piece has stopped writing before an error is raised
+            rid = next(self._ids)
+            child.waiting[rid] = done = Future()
+            child.send({"op": "read", "id": rid, "buffer": buffer.id, "at": at, "path": str(path), "offset": offset,
+                        "nbytes": nbytes, "piece": piece, "crc": checksum})
+        answer = done.result()  # every piece has stopped writing before the process answers
+        if "error" in answer:
+            raise StoreError(f"the reader process could not read {nbytes:,} bytes at {offset:,}: {answer['error']}")
+        if not checksum:
+            return None
         crc = 0
-        for (_, n), answer in zip(pieces, answers):
-            if "error" in answer:
-                raise StoreError(f"the reader process could not read {nbytes:,} bytes at {offset:,}: {answer['error']}")
-            if checksum:
-                crc = crc32c_combine(crc, int(answer["crc"]), n)
-        return crc if checksum else None
+        for k, piece_crc in enumerate(answer["crcs"]):
+            crc = crc32c_combine(crc, int(piece_crc), min(piece, nbytes - k * piece))
+        return crc
 
     def share(self, buffer: SharedBuffer) -> None:
         """Map ``buffer`` in the process now, as its first read would. The process maps a buffer's

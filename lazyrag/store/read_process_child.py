@@ -5,11 +5,14 @@ one argument is the number of the AF_UNIX SOCK_SEQPACKET socket it talks on; its
 reads it runs at once. Messages are JSON objects, one a packet:
 
   {"op": "buffer", "id": B}  + one file descriptor: a memfd to map as buffer B
-  {"op": "read", "id": R, "buffer": B, "at": A, "path": P, "offset": O, "nbytes": N, "crc": true|false}
+  {"op": "read", "id": R, "buffer": B, "at": A, "path": P, "offset": O, "nbytes": N, "piece": S,
+   "crc": true|false}
 
-and each read is answered {"id": R, "crc": C} (the crc32c of the N bytes now at A in buffer B, or
-null when the read asked for none: the GPU checks them) or {"id": R, "error": "..."}. The
-process ends when the socket closes.
+A read goes to the threads as pieces of S bytes (the last one shorter), queued together behind
+the reads asked for before it, so the threads share it and the read asked for first lands first.
+Once every piece has stopped writing, the read is answered once: {"id": R, "crcs": [C, ...]} (each
+piece's crc32c in order, or nulls when the read asked for none: the GPU checks the bytes) or
+{"id": R, "error": "..."}, its first piece's failure. The process ends when the socket closes.
 """
 
 import json
@@ -51,6 +54,30 @@ def read_range(path: str, view: memoryview, offset: int, checksum: bool = True) 
         os.close(fd)
 
 
+class Read:
+    """One read's pieces in flight: what each returned, the first failure, how many are left."""
+
+    def __init__(self, msg: dict, pieces: int):
+        self.msg, self.left = msg, pieces
+        self.crcs: list = [None] * pieces
+        self.error: str | None = None
+        self.lock = threading.Lock()
+
+    def done(self, k: int, crc, error: str | None) -> bool:
+        """Piece k's outcome; True for the last piece to finish."""
+        with self.lock:
+            self.crcs[k] = crc
+            self.error = self.error or error
+            self.left -= 1
+            return self.left == 0
+
+
+def pieces(msg: dict) -> list[tuple[int, int]]:
+    """A read's pieces: (first byte of the range, bytes); one empty piece for an empty range."""
+    n, size = msg["nbytes"], msg.get("piece") or msg["nbytes"] or 1
+    return [(start, min(size, n - start)) for start in range(0, n, size)] or [(0, 0)]
+
+
 def main() -> None:
     sock = socket.socket(fileno=int(sys.argv[1]))
     threads = int(sys.argv[2])
@@ -62,17 +89,24 @@ def main() -> None:
         with send_lock:
             sock.send(json.dumps(message).encode())
 
-    def run() -> None:
-        while (msg := work.get()) is not None:
+    def read_piece(read: Read, k: int, start: int, n: int) -> None:
+        msg, crc, error = read.msg, None, None
+        try:
+            view = memoryview(buffers[msg["buffer"]])[msg["at"] + start: msg["at"] + start + n]
             try:
-                buf = buffers[msg["buffer"]]
-                view = memoryview(buf)[msg["at"]: msg["at"] + msg["nbytes"]]
-                reply({"id": msg["id"], "crc": read_range(msg["path"], view, msg["offset"], msg.get("crc", True))})
+                crc = read_range(msg["path"], view, msg["offset"] + start, msg.get("crc", True))
+            finally:
                 view.release()
-            except OSError as e:
-                reply({"id": msg["id"], "error": f"{e.strerror or e}: {msg['path']}"})
-            except Exception as e:  # noqa: BLE001 - any failure is that read's, reported to the parent
-                reply({"id": msg["id"], "error": f"{type(e).__name__}: {e}"})
+        except OSError as e:
+            error = f"{e.strerror or e}: {msg['path']}"
+        except Exception as e:  # noqa: BLE001 - any failure is that read's, reported to the parent
+            error = f"{type(e).__name__}: {e}"
+        if read.done(k, crc, error):
+            reply({"id": msg["id"], "error": read.error} if read.error else {"id": msg["id"], "crcs": read.crcs})
+
+    def run() -> None:
+        while (job := work.get()) is not None:
+            read_piece(*job)
 
     workers = [threading.Thread(target=run, daemon=True) for _ in range(threads)]
     for w in workers:
@@ -89,7 +123,10 @@ def main() -> None:
                 buffers[msg["id"]] = mmap.mmap(fds[0], size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
                 os.close(fds[0])
             else:
-                work.put(msg)
+                parts = pieces(msg)
+                read = Read(msg, len(parts))
+                for k, (start, n) in enumerate(parts):
+                    work.put((read, k, start, n))
     except (ConnectionError, OSError):
         pass  # the parent is gone
     for _ in workers:

@@ -95,6 +95,38 @@ def test_a_range_read_in_pieces_lands_whole_with_the_crc32c_of_all_of_it(tmp_pat
         reads.read(buf, 0, short, 0, 300_000)
 
 
+def test_a_read_of_many_pieces_is_one_message_each_way(tmp_path, reads, monkeypatch):
+    from lazyrag.store import read_process
+
+    monkeypatch.setattr(read_process, "PIECE_BYTES", 4096)
+    data = os.urandom(100 * 4096 + 5)  # 101 pieces, the last of 5 bytes
+    path = tmp_path / "segment"
+    path.write_bytes(data)
+    buf = SharedBuffer(len(data))
+    child = reads._running()
+    sent, answered = [], []
+    real_send, real_set = child.send, read_process.Future.set_result
+    monkeypatch.setattr(child, "send", lambda msg, fds=(): sent.append(msg["op"]) or real_send(msg, fds))
+    monkeypatch.setattr(read_process.Future, "set_result", lambda f, r: answered.append(r) or real_set(f, r))
+    assert reads.read(buf, 0, path, 0, len(data)) == crc32c.crc32c(data)
+    assert sent == ["buffer", "read"] and len(answered) == 1 and len(answered[0]["crcs"]) == 101
+    assert bytes(buf.tensor.numpy()) == data
+
+
+def test_the_process_cuts_a_read_into_pieces_of_the_size_asked():
+    import importlib.util
+
+    from lazyrag.store import read_process
+
+    spec = importlib.util.spec_from_file_location("read_process_child", read_process.CHILD)
+    child = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(child)
+    assert child.pieces({"nbytes": 10, "piece": 4}) == [(0, 4), (4, 4), (8, 2)]
+    assert child.pieces({"nbytes": 8, "piece": 4}) == [(0, 4), (4, 4)]
+    assert child.pieces({"nbytes": 0, "piece": 4}) == [(0, 0)]
+    assert child.pieces({"nbytes": 7}) == [(0, 7)]  # no piece size: the range whole
+
+
 def test_a_read_without_a_checksum_lands_the_same_bytes_and_returns_none(tmp_path, reads):
     data = os.urandom(40 << 20)  # several 16 MB pieces
     path = tmp_path / "segment"
