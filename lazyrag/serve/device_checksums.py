@@ -78,8 +78,8 @@ def levels(nbytes: int) -> int:
 
 
 def scratch_words(nbytes: int) -> int:
-    """The int32 words device_crc32c's levels write for ``nbytes`` bytes (a sixteenth of them, and a
-    little more)."""
+    """The int32 words device_crc32c's levels write for ``nbytes`` bytes: about one per 60 bytes,
+    a fifteenth of their size."""
     return sum(level_rows(nbytes))
 
 
