@@ -12,7 +12,8 @@ A read goes to the threads as pieces of S bytes (the last one shorter), queued t
 the reads asked for before it, so the threads share it and the read asked for first lands first.
 Once every piece has stopped writing, the read is answered once: {"id": R, "crcs": [C, ...]} (each
 piece's crc32c in order, or nulls when the read asked for none: the GPU checks the bytes) or
-{"id": R, "error": "..."}, its first piece's failure. The process ends when the socket closes.
+{"id": R, "error": "..."}, the failure of the first piece in the range that failed. The process
+ends when the socket closes.
 """
 
 import json
@@ -55,21 +56,30 @@ def read_range(path: str, view: memoryview, offset: int, checksum: bool = True) 
 
 
 class Read:
-    """One read's pieces in flight: what each returned, the first failure, how many are left."""
+    """One read's pieces in flight: what each returned or why it failed, how many are left."""
 
     def __init__(self, msg: dict, pieces: int):
         self.msg, self.left = msg, pieces
         self.crcs: list = [None] * pieces
-        self.error: str | None = None
+        self.errors: dict[int, str] = {}
         self.lock = threading.Lock()
 
     def done(self, k: int, crc, error: str | None) -> bool:
         """Piece k's outcome; True for the last piece to finish."""
         with self.lock:
             self.crcs[k] = crc
-            self.error = self.error or error
+            if error is not None:
+                self.errors[k] = error
             self.left -= 1
             return self.left == 0
+
+    def answer(self) -> dict:
+        """The read's answer: each piece's crc32c, or the failure of the first piece that failed (in
+        the range's order, whichever finished first: a file that ends inside the range is reported
+        where it ends)."""
+        if self.errors:
+            return {"id": self.msg["id"], "error": self.errors[min(self.errors)]}
+        return {"id": self.msg["id"], "crcs": self.crcs}
 
 
 def pieces(msg: dict) -> list[tuple[int, int]]:
@@ -102,7 +112,7 @@ def main() -> None:
         except Exception as e:  # noqa: BLE001 - any failure is that read's, reported to the parent
             error = f"{type(e).__name__}: {e}"
         if read.done(k, crc, error):
-            reply({"id": msg["id"], "error": read.error} if read.error else {"id": msg["id"], "crcs": read.crcs})
+            reply(read.answer())
 
     def run() -> None:
         while (job := work.get()) is not None:

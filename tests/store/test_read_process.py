@@ -125,6 +125,15 @@ def test_the_process_cuts_a_read_into_pieces_of_the_size_asked():
     assert child.pieces({"nbytes": 8, "piece": 4}) == [(0, 4), (4, 4)]
     assert child.pieces({"nbytes": 0, "piece": 4}) == [(0, 0)]
     assert child.pieces({"nbytes": 7}) == [(0, 7)]  # no piece size: the range whole
+    read = child.Read({"id": 3}, 3)  # pieces finishing out of order, two of them failing
+    assert not read.done(2, None, "EOFError: the file ends at byte 300")
+    assert not read.done(0, 11, None)
+    assert read.done(1, None, "EOFError: the file ends at byte 250")
+    assert read.answer() == {"id": 3, "error": "EOFError: the file ends at byte 250"}  # the first in the range
+    read = child.Read({"id": 4}, 2)
+    read.done(1, 22, None)
+    read.done(0, 11, None)
+    assert read.answer() == {"id": 4, "crcs": [11, 22]}
 
 
 def test_a_read_without_a_checksum_lands_the_same_bytes_and_returns_none(tmp_path, reads):
