@@ -19,6 +19,9 @@ from lazyrag.store.crc import after_zeros, byte_register, conditioning
 
 ROW = 64   # bytes a bit_rows row reads
 FOLD = 16  # registers (int32) in a row: what each level after the first folds into one
+# each level's words start 64-byte aligned in the working memory: the kernel is compiled for
+# 16-byte aligned pointers, and a level at another offset would compile a second variant mid-run
+LEVEL_ALIGN = 16
 
 _matrices: dict[tuple[int, str], torch.Tensor] = {}
 
@@ -61,7 +64,7 @@ def device_crc32c(data: torch.Tensor, scratch: torch.Tensor | None = None) -> to
                              conditioning(n) if last else 0, out=out)
         if last:
             return x
-        x, level, used = x.view(torch.uint8), level + 1, used + rows
+        x, level, used = x.view(torch.uint8), level + 1, used + _aligned(rows)
 
 
 def level_rows(nbytes: int) -> list[int]:
@@ -78,9 +81,15 @@ def levels(nbytes: int) -> int:
 
 
 def scratch_words(nbytes: int) -> int:
-    """The int32 words device_crc32c's levels write for ``nbytes`` bytes: about one per 60 bytes,
-    a fifteenth of their size."""
-    return sum(level_rows(nbytes))
+    """The int32 words device_crc32c's levels take for ``nbytes`` bytes (each level's start
+    aligned): about one per 60 bytes, a fifteenth of their size. Give it memory that starts
+    aligned too (a new tensor does)."""
+    rows = level_rows(nbytes)
+    return sum(_aligned(r) for r in rows[:-1]) + rows[-1]
+
+
+def _aligned(words: int) -> int:
+    return -(-words // LEVEL_ALIGN) * LEVEL_ALIGN
 
 
 def device_checks_work(device: torch.device, largest: int = 0) -> str | None:
@@ -93,7 +102,8 @@ def device_checks_work(device: torch.device, largest: int = 0) -> str | None:
     try:
         for n in (1, ROW * FOLD + 1, ROW * FOLD * FOLD + 3):  # one, three and four levels
             data = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen)
-            got, want = int(device_crc32c(data.to(device))) & 0xFFFFFFFF, crc32c.crc32c(data.numpy())
+            scratch = torch.empty(scratch_words(n), dtype=torch.int32, device=device)  # as the loader's checks
+            got, want = int(device_crc32c(data.to(device), scratch)) & 0xFFFFFFFF, crc32c.crc32c(data.numpy())
             if got != want:
                 return f"the crc32c of {n} known bytes on {device} came out {got:#010x}, not {want:#010x}"
         for level in range(levels(largest)):

@@ -37,7 +37,7 @@ from typing import Protocol
 import crc32c
 import torch
 
-from lazyrag.serve.device_checksums import device_checks_work, device_crc32c, scratch_words
+from lazyrag.serve.device_checksums import LEVEL_ALIGN, device_checks_work, device_crc32c, scratch_words
 from lazyrag.serve.memory import available_bytes
 from lazyrag.serve.paged import PagePool
 from lazyrag.serve.staging import STAGING_BYTES, Slot, Staging, staging_shape
@@ -146,14 +146,16 @@ class DeviceCopies:
     the memory its crc32c works in and a host word its result lands in, all made with the loader:
     a device allocation under a cold run waits for every copy in flight, and memory allocated on a
     reader thread's stream is not shared with the others (each made device segments of its own for
-    the crc32c's levels: 16-18 a cold run on an H200). A read takes a buffer (none free: it is
-    checked on the host); its load gives it back with the event of the copy out of it, which the
-    next read's copy into it waits for on the device."""
+    the crc32c's levels: 16-18 a cold run on an H200). Every buffer and every level of its
+    crc32c starts 64-byte aligned, so the kernel's one compiled variant serves them all. A read
+    takes a buffer (none free: it is checked on the host); its load gives it back with the event of
+    the copy out of it, which the next read's copy into it waits for on the device."""
 
     def __init__(self, nbytes: int, count: int, device: torch.device):
         self.nbytes, self.count = nbytes, count
-        self.memory = torch.empty(count * nbytes, dtype=torch.uint8, device=device)
-        self.words = scratch_words(nbytes)
+        self.stride = -(-nbytes // 64) * 64  # each buffer 64-byte aligned, as the crc32c's kernel is compiled for
+        self.memory = torch.empty(count * self.stride, dtype=torch.uint8, device=device)
+        self.words = -(-scratch_words(nbytes) // LEVEL_ALIGN) * LEVEL_ALIGN  # each buffer's starts aligned too
         self.scratch = torch.empty(count * self.words, dtype=torch.int32, device=device)
         self.results = torch.empty(count, dtype=torch.int32, pin_memory=device.type == "cuda")
         self.free: deque[tuple[int, torch.cuda.Event | None]] = deque((i, None) for i in range(count))
@@ -162,14 +164,14 @@ class DeviceCopies:
     @staticmethod
     def bytes_each(nbytes: int) -> int:
         """Device bytes one buffer of ``nbytes`` takes, its crc32c's working memory included."""
-        return nbytes + 4 * scratch_words(nbytes)
+        return nbytes + 64 + 4 * (scratch_words(nbytes) + LEVEL_ALIGN)
 
     def take(self) -> tuple[int, torch.cuda.Event | None] | None:
         with self._lock:
             return self.free.popleft() if self.free else None
 
     def buffer(self, index: int, nbytes: int) -> torch.Tensor:
-        return self.memory[index * self.nbytes: index * self.nbytes + nbytes]
+        return self.memory[index * self.stride: index * self.stride + nbytes]
 
     def crc32c(self, index: int, nbytes: int) -> torch.Tensor:
         """The crc32c of buffer ``index``'s first ``nbytes`` queued on the current stream, in its own

@@ -84,6 +84,8 @@ def test_device_crc32c_in_given_working_memory_allocates_no_level(request, backe
         assert len(outs) == device_checksums.levels(n) and all(o is not None for o in outs)
         start, end = scratch.data_ptr(), scratch.data_ptr() + 4 * scratch.numel()
         assert all(start <= o.data_ptr() < end for o in outs) and start <= got.data_ptr() < end
+        # each level 64-byte aligned: the kernel's one compiled variant takes 16-byte aligned pointers
+        assert all((o.data_ptr() - start) % 64 == 0 for o in outs)
         with pytest.raises(ValueError, match="out must be"):  # a word short: the last level has no room
             device_checksums.device_crc32c(data, scratch[:-1])
 

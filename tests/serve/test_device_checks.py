@@ -100,6 +100,11 @@ def test_the_device_checks_work_in_memory_made_with_the_loader(tmp_path, tiny, m
     start = copies.scratch.data_ptr()
     end = start + copies.scratch.numel() * copies.scratch.element_size()
     assert outs and all(o is not None and start <= o.data_ptr() < end for o in outs)  # every level, none allocated
+    assert all((o.data_ptr() - start) % 64 == 0 for o in outs)  # in every buffer's memory, each level aligned
+    assert any(o.data_ptr() - start >= 4 * copies.words for o in outs)  # not only the first buffer's
+    odd = DeviceCopies(1000, 3, torch.device("cpu"))  # buffers and their levels aligned, whatever a chunk's size
+    assert all(odd.buffer(i, 1000).data_ptr() % 64 == 0 and odd.scratch[i * odd.words:].data_ptr() % 64 == 0
+               for i in range(3))
     landed = {word & 0xFFFFFFFF for word in copies.results.tolist()}
     assert {c.checksum for c in chunks} <= landed  # each result came back through the loader's host words
     loader.close()
