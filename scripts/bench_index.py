@@ -7,7 +7,8 @@
                 (each chunk's rows padded to whole pages)
 Target: index tokens/s >= 90% of the lesser, the disk taken as the mean of its speed before and after
 (the disk's speed moves by a quarter from minute to minute on the H200 machine; the ratio against the
-faster of the two is printed too). Also: store bytes on disk against raw KV bytes.
+faster of the two is printed too). Also: store bytes on disk against raw KV bytes, and the index
+run's timeline (batches off the GPU, segment writes, and the fsyncs and catalog commits in them).
 
 Usage: python scripts/bench_index.py --model random:llama3-8b --dtype bf16 --docs 64 --doc-tokens 2048
        python scripts/bench_index.py            # CPU, default model, a small synthetic corpus
@@ -36,6 +37,7 @@ from lazyrag.corpus import read_corpus
 from lazyrag.models import load_model
 from lazyrag.serve.paged import pages_for
 from lazyrag.store import Store, file_writes
+from lazyrag.store.storage import LocalStorage
 
 import trace_gaps  # scripts/trace_gaps.py, beside this one
 
@@ -62,6 +64,10 @@ class Timeline:
     def __init__(self):
         self.copies: list[tuple[float, float]] = []
         self.writes: list[tuple[float, float]] = []
+        # within the writes: every fsync (each may flush the disk's cache under the other writers'
+        # writes; dd flushes once a stream) and the catalog commits (SQLite's own fsync inside)
+        self.fsyncs: list[tuple[float, float]] = []
+        self.commits: list[tuple[float, float]] = []
 
     def wrap(self, fn, spans):
         def timed(*a, **k):
@@ -84,8 +90,17 @@ class Timeline:
         return (f"first batch off the GPU {first_copy[0] - t0:.2f}-{first_copy[1] - t0:.2f} s; first write began "
                 f"{first - t0:.2f} s; last batch off the GPU {model_done - t0:.2f} s; from first to last write "
                 f"({last - first:.2f} s) writes under way at once: {at_once}; a segment's write took "
-                f"{durations[0]:.2f}-{durations[-1]:.2f} s (median {durations[len(durations) // 2]:.2f}); last write "
+                f"{durations[0]:.2f}-{durations[-1]:.2f} s (median {durations[len(durations) // 2]:.2f}); "
+                f"{spent(self.fsyncs, 'fsyncs')}, {spent(self.commits, 'catalog commits')}; last write "
                 f"done {last - t0:.2f} s; index returned {t_end - t0:.2f} s")
+
+
+def spent(spans: list[tuple[float, float]], what: str) -> str:
+    """How many calls, their seconds summed over the writer threads, and the longest."""
+    if not spans:
+        return f"no {what}"
+    took = [b - a for a, b in spans]
+    return f"{len(took)} {what} ({sum(took):.2f} s summed, longest {max(took) * 1e3:.0f} ms)"
 
 
 def writes_at_once(spans: list[tuple[float, float]]) -> dict[int, float]:
@@ -239,6 +254,8 @@ def main() -> None:
     index.aligned_host_copy = timeline.wrap(index.aligned_host_copy, timeline.copies)
     index.DeviceToHost.copy = timeline.wrap(index.DeviceToHost.copy, timeline.copies)
     Store.append = timeline.wrap(Store.append, timeline.writes)
+    os.fsync = timeline.wrap(os.fsync, timeline.fsyncs)  # in this process only, as the wraps above
+    LocalStorage.commit_append = timeline.wrap(LocalStorage.commit_append, timeline.commits)
     t = time.perf_counter()
     result = build_index(cfg, progress=False, loaded=loaded)
     sync()

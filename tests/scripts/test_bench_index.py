@@ -22,6 +22,8 @@ def test_bench_index_reports_its_rows_and_traces(tmp_path):
     for row in ("bare forward", "index / min(forward, disk)", "index's timeline", "1 / 2 at once"):
         assert row in table
     values = {k.strip(): v.strip() for k, v in (line.strip("|").split("|", 1) for line in table.splitlines()[2:])}
+    timeline = values["index's timeline"]
+    assert " fsyncs (" in timeline and " catalog commits (" in timeline  # what the writes spent flushing
     row, written = (float(x.split()[0].replace(",", "")) for x in
                     values["KV per token: a row / written (pages padded)"].split(" / "))
     assert written > row  # 64-token chunks and a preamble in 16-token pages: some padding
