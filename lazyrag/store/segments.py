@@ -38,11 +38,13 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
-def fsync_tree(path: Path) -> None:
-    """fsync every file and directory under ``path`` (and ``path`` itself)."""
+def fsync_tree(path: Path, durable: Path | None = None) -> None:
+    """fsync every file and directory under ``path`` (and ``path`` itself), but the file ``durable``,
+    fsynced already: each fsync may flush the disk's cache, under every other write in flight."""
     for dirpath, _dirs, files in os.walk(path):
         for name in files:
-            fsync_path(Path(dirpath) / name)
+            if Path(dirpath) / name != durable:
+                fsync_path(Path(dirpath) / name)
         fsync_path(Path(dirpath))
 
 
@@ -116,7 +118,7 @@ def write_segment(root: Path, settings: StoreSettings, data: np.ndarray, seq: in
     shard = arr_dir / arr.metadata.encode_chunk_key((0,) * data.ndim)
     shard.parent.mkdir(parents=True, exist_ok=True)
     write_new_file(shard, [np.ascontiguousarray(data), shard_index(settings, data.shape[0])])
-    fsync_tree(arr_dir)
+    fsync_tree(arr_dir, durable=shard)  # the directories hold its name: they are fsynced after it
     fsync_path(root / SEGMENTS)
     return name
 

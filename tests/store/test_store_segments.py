@@ -172,3 +172,21 @@ def test_a_segment_under_another_chunk_key_encoding_still_reads_in_one_read(tmp_
             assert np.array_equal(as_bits(reader.read_kv(info)), rows_of(kv, s, chunks, i).view(np.uint8))
     finally:
         reader.close()
+
+
+def test_a_new_segment_is_durable_with_one_fsync_of_each_file_and_directory_in_order(tmp_path, monkeypatch):
+    s = settings()
+    chunks = make_chunks(s, "doc", [16, 40])
+    kv = random_kv(s, chunks)
+    with Store.create_or_open(tmp_path / "s.zarr", s) as st:
+        real, synced = os.fsync, []
+        monkeypatch.setattr(os, "fsync", lambda fd: synced.append(os.readlink(f"/proc/self/fd/{fd}")) or real(fd))
+        st.append(chunks, kv)
+        monkeypatch.setattr(os, "fsync", real)
+    segs = tmp_path / "s.zarr" / "segments"
+    (seg,) = [p for p in segs.iterdir() if p.is_dir()]
+    on_disk = [str(p) for p in [seg, *seg.rglob("*")]] + [str(segs)]
+    kept = [p for p in synced if p.startswith(str(segs))]
+    assert sorted(kept) == sorted(on_disk)  # every file and directory of the segment once, and segments/
+    shard = next(p for p in on_disk if os.path.isfile(p) and os.path.getsize(p) > kv.nbytes // 2)
+    assert kept.index(shard) < kept.index(os.path.dirname(shard))  # its directory after it, holding its name
