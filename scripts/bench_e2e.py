@@ -27,7 +27,12 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
+
 from lazyrag.workload import PAPER, Workload, documents, draw_docs, words, write_jsonl
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling scripts, however this one is loaded
+from trace_gaps import length, merged  # noqa: E402
 
 # the paper's workload (lazyrag/workload.py); --docs/--doc-tokens override the first two
 DOCS, DOC_TOKENS, PER_PROMPT, QUESTION_TOKENS, NEW_TOKENS = (PAPER.docs, PAPER.doc_tokens, PAPER.per_prompt,
@@ -454,8 +459,9 @@ class Phase:
 
 @contextlib.contextmanager
 def logged_phases(log: list):
-    """The engine's host phases appended to `log` as Phases on the perf_counter clock, without a profiler's cost per operation (sequences: a step's, else 0;
-    cpu: the calling thread's CPU seconds inside, so wall minus cpu is time spent waiting)."""
+    """The engine's host phases appended to `log` as Phases on the perf_counter clock, without a
+    profiler's cost per operation (sequences: a step's, else 0; cpu: the calling thread's CPU
+    seconds inside, so wall minus cpu is time spent waiting)."""
     def wrap(fn, label):
         def wrapped(*a, **k):
             t, cpu = time.perf_counter(), time.thread_time()
@@ -540,12 +546,7 @@ def use_read_threads(threads: int | None) -> None:
 
 def covered_us(spans: list[tuple[float, float]]) -> float:
     """The length of the union of (start, end) spans."""
-    total, reach = 0.0, float("-inf")
-    for start, end in sorted(spans):
-        if end > reach:
-            total += end - max(start, reach)
-            reach = end
-    return total
+    return length(merged(np.array(spans, float).reshape(-1, 2)))
 
 
 def profile_run(engine_args: dict, loaded, store, mode: str, prompts, questions, cache_gb: float,

@@ -64,7 +64,7 @@ def device_crc32c(data: torch.Tensor, scratch: torch.Tensor | None = None) -> to
                              conditioning(n) if last else 0, out=out)
         if last:
             return x
-        x, level, used = x.view(torch.uint8), level + 1, used + _aligned(rows)
+        x, level, used = x.view(torch.uint8), level + 1, used + aligned_words(rows)
 
 
 def level_rows(nbytes: int) -> list[int]:
@@ -85,10 +85,11 @@ def scratch_words(nbytes: int) -> int:
     aligned): about one per 60 bytes, a fifteenth of their size. Give it memory that starts
     aligned too (a new tensor does)."""
     rows = level_rows(nbytes)
-    return sum(_aligned(r) for r in rows[:-1]) + rows[-1]
+    return sum(aligned_words(r) for r in rows[:-1]) + rows[-1]
 
 
-def _aligned(words: int) -> int:
+def aligned_words(words: int) -> int:
+    """``words`` rounded up to whole LEVEL_ALIGN: where the next aligned level (or buffer) starts."""
     return -(-words // LEVEL_ALIGN) * LEVEL_ALIGN
 
 

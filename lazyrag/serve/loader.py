@@ -37,7 +37,7 @@ from typing import Protocol
 import crc32c
 import torch
 
-from lazyrag.serve.device_checksums import LEVEL_ALIGN, device_checks_work, device_crc32c, scratch_words
+from lazyrag.serve.device_checksums import aligned_words, device_checks_work, device_crc32c, scratch_words
 from lazyrag.serve.memory import available_bytes
 from lazyrag.serve.paged import PagePool
 from lazyrag.serve.staging import STAGING_BYTES, Slot, Staging, staging_shape
@@ -153,18 +153,24 @@ class DeviceCopies:
 
     def __init__(self, nbytes: int, count: int, device: torch.device):
         self.nbytes, self.count = nbytes, count
-        self.stride = -(-nbytes // 64) * 64  # each buffer 64-byte aligned, as the crc32c's kernel is compiled for
+        self.stride, self.words = self.sizes(nbytes)
         self.memory = torch.empty(count * self.stride, dtype=torch.uint8, device=device)
-        self.words = -(-scratch_words(nbytes) // LEVEL_ALIGN) * LEVEL_ALIGN  # each buffer's starts aligned too
         self.scratch = torch.empty(count * self.words, dtype=torch.int32, device=device)
         self.results = torch.empty(count, dtype=torch.int32, pin_memory=device.type == "cuda")
         self.free: deque[tuple[int, torch.cuda.Event | None]] = deque((i, None) for i in range(count))
         self._lock = threading.Lock()
 
     @staticmethod
+    def sizes(nbytes: int) -> tuple[int, int]:
+        """One buffer's bytes and its crc32c's int32 words, each rounded up so that the next one
+        starts 64-byte aligned too."""
+        return -(-nbytes // 64) * 64, aligned_words(scratch_words(nbytes))
+
+    @staticmethod
     def bytes_each(nbytes: int) -> int:
         """Device bytes one buffer of ``nbytes`` takes, its crc32c's working memory included."""
-        return nbytes + 64 + 4 * (scratch_words(nbytes) + LEVEL_ALIGN)
+        stride, words = DeviceCopies.sizes(nbytes)
+        return stride + 4 * words
 
     def take(self) -> tuple[int, torch.cuda.Event | None] | None:
         with self._lock:
