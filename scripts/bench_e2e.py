@@ -212,18 +212,15 @@ class Sweep:
     read_threads: int = 0     # chunk reads at once (0: the loader's default)
     host_checksums: bool = False  # reads' crc32c checked in the reader process, not on the GPU
     lookahead: int = 0        # waiting requests the scheduler reads ahead for and may admit (0: its default)
-    need_order: bool = False  # reads ahead in the order requests need chunks, not the most shared first
 
     @property
     def variant(self) -> bool:
         """A cold lazy run with one loader or scheduler setting changed, set against the default's warm run."""
-        return bool(self.read_threads or self.host_checksums or self.lookahead or self.need_order)
+        return bool(self.read_threads or self.host_checksums or self.lookahead)
 
     @property
     def label(self) -> str:
         """The row's mode: the mode, or the setting this run changed."""
-        if self.need_order:
-            return "lazy, reads in need order"
         if self.lookahead:
             return f"lazy, look-ahead {self.lookahead}"
         if self.host_checksums:
@@ -254,8 +251,6 @@ def batch_sweep(kw: dict, loaded, store, prompts, questions, cache_gb: float, ar
         if args.host_checksums_too:  # the same run with the reads checked on the host
             configs.append(Sweep("lazy", requests=n, host_checksums=True))
         configs += [Sweep("lazy", requests=n, lookahead=a) for a in args.lookahead_too]
-        if args.need_order_too:
-            configs.append(Sweep("lazy", requests=n, need_order=True))
         if args.eager_prefill_too:  # the same run with prefill steps launched op by op
             configs.append(Sweep("lazy", requests=n, prefill_graphs=False))
         if args.per_request_too:  # lazy with each request reading its own pages: what chunk-major buys
@@ -290,7 +285,6 @@ def batch_sweep(kw: dict, loaded, store, prompts, questions, cache_gb: float, ar
                     evict(store.path)
                 with setting("lazyrag.serve.runner", "PREFILL_GRAPH_TOKENS", None if c.prefill_graphs else 0), \
                         setting("lazyrag.serve.scheduler", "LOOKAHEAD", c.lookahead or None), \
-                        setting("lazyrag.serve.scheduler", "SHARED_FIRST", False if c.need_order else None), \
                         loader_defaults(**({"check_on_device": False} if c.host_checksums else {})):
                     r = run(engine_args, loaded, store, c.mode, source[:n], questions[:n], cache_gb, bs,
                             warm=c.warm, order=c.order)
@@ -999,9 +993,6 @@ def main() -> None:
     ap.add_argument("--lookahead-too", type=lambda s: [int(x) for x in s.split(",") if x], default=[],
                     help="also run each cold lazy Zipf count of the batch sweep with the scheduler reading ahead for, "
                          "and admitting from, this many waiting requests (default: a batch's worth, at least 64)")
-    ap.add_argument("--need-order-too", action="store_true",
-                    help="also run each cold lazy Zipf count of the batch sweep with the scheduler reading ahead in "
-                         "the order the waiting requests need chunks, not the chunks most of them share first")
     ap.add_argument("--trace", action="store_true",
                     help="with --profile, also write each profiled run's trace (cold and warm) to "
                          "$OUT/trace-<run>.json.gz (Chrome trace format), the engine's host phases labelled")

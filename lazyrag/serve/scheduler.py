@@ -5,7 +5,7 @@ admitted if the pool can take it now, counting the pages that evicting unpinned 
 would free; newly admitted ones are prefilled together, and otherwise every running
 sequence decodes one token. A sequence leaves as soon as it ends and the next takes
 its place. The chunks of up to `lookahead` coming sequences (by default a batch's worth, at
-least LOOKAHEAD) are read ahead meanwhile, those more of them share first, so that a cold batch
+least LOOKAHEAD) are read ahead meanwhile, in the order they will be needed, so that a cold batch
 fills early with the sequences whose chunks have all come. A sequence with a chunk still on its
 way (`is_loading`: read, or waiting its turn behind reads under way) waits for it, and one
 behind it whose chunks are all resident goes first; otherwise the oldest is placed, reading what
@@ -26,7 +26,7 @@ placement is undone and they go to `on_error`. The engine hands back a batch who
 from __future__ import annotations
 
 import time
-from collections import Counter, deque
+from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
@@ -45,23 +45,17 @@ IDLE_POLL_S = 0.001
 # chunks of the batch after the running one are read while it runs. With 64 at batch 128, a
 # 200-request cold run on an H200 started its last reads only when its second wave was admitted.
 LOOKAHEAD = 64
-# Chunks more waiting sequences share are read first (False: in the order the sequences need them).
-SHARED_FIRST = True
 
 
 def read_order(needs: Iterable[Iterable[ChunkInfo]]) -> list[ChunkInfo]:
-    """Each chunk the waiting sequences need (theirs in arrival order) once, those more of them
-    share first, ties in need order: in a Zipf workload the commonest chunks complete the most
-    sequences per read (scripts/read_order.py counts it)."""
+    """Each chunk the waiting sequences need once, in the order they need them (theirs in arrival
+    order), so that the oldest, admitted first, are ready first (the faster order in a cold run,
+    docs/benchmarks.md)."""
     needed: dict[str, ChunkInfo] = {}
-    shared: Counter[str] = Counter()
     for chunks in needs:
         for c in chunks:
             needed.setdefault(c.chunk_id, c)
-            shared[c.chunk_id] += 1
-    if not SHARED_FIRST:
-        return list(needed.values())
-    return sorted(needed.values(), key=lambda c: -shared[c.chunk_id])
+    return list(needed.values())
 
 
 @dataclass
@@ -181,7 +175,7 @@ class Scheduler:
             self._alone.discard(id(seq))
 
     def _read_ahead(self) -> bool:
-        """Take arrived sequences and start reading the chunks they need, the most shared first;
+        """Take arrived sequences and start reading the chunks they need, in need order;
         True when the source said nothing has arrived yet."""
         stream_idle = self._refill()
         waiting = tuple(self.waiting)

@@ -100,12 +100,11 @@ def test_bench_e2e_cold_variants_and_step_log_variants(tmp_path):
     cmd = [sys.executable, str(ROOT / "scripts" / "bench_e2e.py"), "--models", "random:tiny", "--docs", "6",
            "--doc-tokens", "64", "--requests", "4", "--cache-gb", "0.5", "--skip-full", "--skip-block",
            "--recompute", "0", "--batch-sizes", "2", "--batch-size", "2", "--host-checksums-too",
-           "--lookahead-too", "3", "--need-order-too", "--step-log", "4", "--staging-gb", "0.5"]
+           "--lookahead-too", "3", "--step-log", "4", "--staging-gb", "0.5"]
     run = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     res = json.loads((tmp_path / "out" / "bench_e2e.json").read_text())["results"][0]
-    assert [r["mode"] for r in res["batch_sweep"]] == ["lazy", "lazy, crc32c on the host", "lazy, look-ahead 3",
-                                                         "lazy, reads in need order"]
+    assert [r["mode"] for r in res["batch_sweep"]] == ["lazy", "lazy, crc32c on the host", "lazy, look-ahead 3"]
     assert all("error" not in r for r in res["batch_sweep"])
     assert set(res["step_log"]) == {"cold", "warm", "cold, 0.5 GB of staging", "cold, crc32c on the host"}
     cold = res["step_log"]["cold"]

@@ -208,7 +208,7 @@ def test_a_request_waits_for_its_chunks_still_being_read_and_the_batch_runs_on()
 def test_with_nothing_running_the_first_step_waits_for_reads_under_way_and_takes_whom_they_complete():
     seqs = [sequence("1", [A], QUESTION, 2), sequence("2", [B], QUESTION, 2), sequence("3", [B], QUESTION, 2)]
     sched, _, loader = setup(32, seqs)
-    loader.in_flight, loader.in_line = {"b"}, {"a"}  # b read first (shared by two), a waits its turn
+    loader.in_flight, loader.in_line = {"b"}, {"a"}  # b being read, a waiting its turn
     t0 = time.perf_counter()
     timer = reads_end_after(loader, 0.05, [B])
     step = sched.schedule()
@@ -219,12 +219,12 @@ def test_with_nothing_running_the_first_step_waits_for_reads_under_way_and_takes
     assert [c for c, _ in loader.loads] == ["b", "a"]
 
 
-def test_the_chunks_more_waiting_requests_share_are_read_first():
+def test_chunks_are_read_ahead_once_each_in_the_order_the_waiting_requests_need_them():
     seqs = [sequence("1", [A, B], QUESTION, 2), sequence("2", [C, B], QUESTION, 2),
             sequence("3", [B], QUESTION, 2), sequence("4", [C], QUESTION, 2)]
     sched, _, loader = setup(32, seqs, batch_size=1)
     sched.schedule()
-    assert loader.prefetched[:3] == ["b", "c", "a"]  # b by three, c by two, a by one
+    assert loader.prefetched[:3] == ["a", "b", "c"]  # b shared by three is still read after a
 
 
 def test_a_request_whose_chunks_are_all_resident_passes_one_whose_chunks_are_still_being_read():
