@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import gc
 import json
 import os
 import random
@@ -63,6 +64,27 @@ def allocations() -> dict[str, float]:
     host, device = torch.cuda.memory.host_memory_stats(), torch.cuda.memory_stats()
     return {"pinned_allocs": host.get("num_host_alloc", 0), "pinned_alloc_ms": host.get("host_alloc_time.total", 0) / 1e3,
             "device_segments": device.get("segment.all.allocated", 0), "alloc_retries": device.get("num_alloc_retries", 0)}
+
+
+@contextlib.contextmanager
+def full_collections(out: dict):
+    """Python's full garbage collections while the context lasts: their count and milliseconds
+    (total and longest) into `out`; each stops every thread that needs the GIL."""
+    times, started = [], []
+
+    def note(phase: str, info: dict) -> None:
+        if info["generation"] == 2:
+            if phase == "start":
+                started.append(time.perf_counter())
+            elif started:
+                times.append(time.perf_counter() - started.pop())
+
+    gc.callbacks.append(note)
+    try:
+        yield
+    finally:
+        gc.callbacks.remove(note)
+        out.update({"count": len(times), "ms": round(sum(times) * 1e3, 1), "max_ms": round(max(times, default=0) * 1e3, 1)})
 
 
 def free_cache() -> None:
@@ -130,8 +152,8 @@ def run(engine_args: dict, loaded, store, mode: str, prompts, questions, cache_g
         engine.cache.reset_counters()
         engine.steps = StepCounts()
     sync()
-    before = allocations()
-    with timed():
+    before, collections = allocations(), {}
+    with timed(), full_collections(collections):
         t0 = time.perf_counter()
         engine.run(requests(t0), done.append)
         sync()
@@ -151,7 +173,7 @@ def run(engine_args: dict, loaded, store, mode: str, prompts, questions, cache_g
         "bytes_read": c.bytes_read,
         "evictions": c.evictions, "read_wait_s": round(c.read_wait_s, 3), "warm": warm,
         "host_cache_gb": engine_args.get("host_cache_bytes", 0) / 2**30, "host_hits": c.host_hits,
-        "read_ahead": c.read_ahead, "order": order, "allocations": made,
+        "read_ahead": c.read_ahead, "order": order, "allocations": made, "full_collections": collections,
         "recomputed_tokens_per_req": round(c.recomputed_tokens / max(1, len(done)), 1),
         "reused_tokens_per_req": round(c.reused_tokens / max(1, len(done)), 1), "reuse_ratio": round(c.reuse_ratio, 4),
         "prefill_steps": steps.prefills, "prefill_batch_mean": round(steps.prefilled / max(1, steps.prefills), 1),
@@ -655,6 +677,7 @@ def step_log_run(engine_args: dict, loaded, store, prompts, questions, cache_gb:
     decodes, loads = phase("Runner.decode"), phase("ChunkLoader.load")
     lates = sorted(x for _, x in late)
     summary = {"seconds": r["seconds"], "req_per_s": r["req_per_s"], "warm": warm, "allocations": r["allocations"],
+               "full_collections": r["full_collections"],
                "prefills": [prefill(e) for e in phase("Runner.prefill")],
                "decode_steps": len(decodes), "decode_host_ms": total_ms("Runner.decode"),
                "decode_cpu_ms": cpu_ms("Runner.decode"),
@@ -1029,6 +1052,9 @@ def main() -> None:
                          "same requests (a long-running server's steady state)")
     ap.add_argument("--eager-too", action="store_true",
                     help="after the closed Zipf rounds, time lazy and block once more without CUDA graphs")
+    ap.add_argument("--gc-unfrozen", action="store_true",
+                    help="diagnosis: the engine's runs without freezing the objects alive before them "
+                         "(lazyrag/serve/frozen.py), so Python's full collections walk them all")
     ap.add_argument("--kv-dtype", default="auto", help="the store's KV dtype, as `index --kv-dtype` takes it")
     ap.add_argument("--page-size", type=int, default=IndexConfig.page_size, help="the store's page size (tokens)")
     ap.add_argument("--docs", type=int, default=DOCS)
@@ -1040,6 +1066,10 @@ def main() -> None:
     DOCS, DOC_TOKENS = args.docs, args.doc_tokens
     import torch
 
+    if args.gc_unfrozen:
+        from lazyrag.serve import engine
+
+        engine.objects_frozen = contextlib.nullcontext
     if args.serial_chunk_major:
         from lazyrag.kernels import shared_attention
         shared_attention.SIDE_STREAM = shared_attention.HALF_PARTIALS = False

@@ -26,6 +26,7 @@ from lazyrag.eval.fidelity import mean_logprob
 from lazyrag.models import LoadedModel
 from lazyrag.serve import faults
 from lazyrag.serve.cache import ChunkCache
+from lazyrag.serve.frozen import objects_frozen
 from lazyrag.serve.loader import ChunkLoader
 from lazyrag.serve.modes import select_mode
 from lazyrag.serve.paged import PagePool
@@ -102,6 +103,11 @@ class Engine:
         exc)` gets each request that fails alone (lazyrag/serve/faults.py: a chunk that cannot be
         read, out of memory, bad token ids), after all it held is given back; the others still
         run. Without it such an error ends the run."""
+        with objects_frozen():
+            self._run(requests, on_finish, lookahead, on_error)
+
+    def _run(self, requests: Iterable[Request | None], on_finish: Callable[[Sequence], None], lookahead: int | None,
+             on_error: OnError | None) -> None:
         sequences = (None if r is None else Sequence(r) for r in requests)
         scheduler = Scheduler(self.mode, self.cache, self.batch_size, sequences, lookahead, on_error, self.steps)
         failed: dict[int, Exception] = {}  # id(seq) -> why its decode failed; it leaves at retire

@@ -137,6 +137,19 @@ def test_loader_defaults_patches_the_named_defaults_and_restores_them():
     assert ChunkLoader.__init__.__defaults__ == before
 
 
+def test_full_collections_counts_only_the_oldest_generation_inside_the_context():
+    import gc
+
+    bench = bench_module()
+    seen = {}
+    with bench.full_collections(seen):
+        gc.collect(0)
+        gc.collect(2)
+        gc.collect(2)
+    gc.collect(2)  # after the context: not counted
+    assert seen["count"] == 2 and 0 < seen["max_ms"] <= seen["ms"]
+
+
 def test_the_sweep_table_sets_each_cold_run_against_the_warm_run_of_its_requests():
     def row(n, warm, mode, batch, rate, disk=False):
         return {"sweep_requests": n, "requests": n, "warm": warm, "mode": mode, "recompute": 0.0, "disk": disk,

@@ -1,6 +1,7 @@
 """The engine: lazy against transformers with a block mask, the three modes against each
 other and against transformers' generate, teacher-forced scoring, a chunk shared in the pool."""
 
+import gc
 import math
 
 import pytest
@@ -162,6 +163,28 @@ def test_run_hands_back_each_finished_request(tmp_path, tiny):
     assert sum(by_id[i].misses for i in "123") == len(store.doc_chunks("nile")) + len(store.doc_chunks("iron"))
     chunk_pages = sum(engine.pool.pages_for(c.padded_length) for c in reqs[0].chunks)
     assert engine.pool.used - used0 == chunk_pages  # only the chunks stay
+
+
+def test_a_run_freezes_what_was_alive_before_it_and_gives_it_back(tmp_path, tiny):
+    """Python's full collections leave out what start-up made while the engine runs
+    (lazyrag/serve/frozen.py); the collector has it back after, also after a failed run."""
+    store = make_store(tmp_path, "random:tiny", chunk_tokens=48)
+    fmt = PromptFormat(tiny.tokenizer)
+    engine = Engine(tiny, store, Mode.LAZY, cache_bytes=8 << 20, batch_size=2, stop_at_eos=False)
+    reqs = [request(store, fmt, "1", ["nile", "iron"], "Q one?", 2), request(store, fmt, "2", ["iron"], "Q two?", 2)]
+    assert gc.get_freeze_count() == 0
+    during = []
+    engine.run(reqs, lambda seq: during.append(gc.get_freeze_count()))
+    assert len(during) == 2 and min(during) > 1000  # the model, the store, the imports
+    assert gc.get_freeze_count() == 0
+
+    def fails(seq):
+        raise RuntimeError("the caller's own error")
+
+    with pytest.raises(RuntimeError, match="caller's own"):
+        engine.run(reqs, fails)
+    assert gc.get_freeze_count() == 0
+    engine.close()
 
 
 def test_a_stop_token_ends_the_answer_while_the_next_step_runs(tmp_path, tiny):
