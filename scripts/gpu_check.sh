@@ -21,7 +21,7 @@ nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv
 # editable, so that the scripts and tests import this working tree's code
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . > "$OUT/install.log" 2>&1 \
   || { echo "install failed:"; tail -n 20 "$OUT/install.log"; exit 1; }
-step gpu_tests "${TEST_LIMIT:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider ${TESTS:-}
+step gpu_tests "${TEST_LIMIT:-420}" python3 -m pytest -q -m gpu -p no:cacheprovider ${TESTS:-}
 step bench_kernels "${KERNEL_LIMIT:-150}" python3 scripts/bench_kernels.py ${KERNEL_ARGS:---quick}
 step bench_loads "${LOADS_LIMIT:-60}" python3 scripts/bench_loads.py
 step bench_e2e "${E2E_LIMIT:-240}" python3 scripts/bench_e2e.py --models "$models" "$@"

@@ -16,6 +16,7 @@ import itertools
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 
@@ -94,13 +95,24 @@ def stored_chunks(docs: Sequence[Document], tokenizer, settings: StoreSettings) 
     return lists
 
 
+def chunk_groups(docs: Iterable[Document], tokenizer, settings: StoreSettings,
+                 first: int | None = None) -> Iterator[dict[str, list[NewChunk]]]:
+    """Documents' stored chunks by id, a group of documents a tokenizer call (a later document of an
+    id replaces an earlier one within a group). Groups double from ``first`` documents (default:
+    TOKENIZED_AT_ONCE) up to TOKENIZED_AT_ONCE, so a caller that pulls them as it goes can start
+    on the first documents at once."""
+    docs, size = iter(docs), first or TOKENIZED_AT_ONCE
+    while batch := list(itertools.islice(docs, size)):
+        yield {d.id: chunks for d, chunks in zip(batch, stored_chunks(batch, tokenizer, settings))}
+        size = min(2 * size, TOKENIZED_AT_ONCE)
+
+
 def chunk_corpus(docs: Iterable[Document], tokenizer, settings: StoreSettings) -> dict[str, list[NewChunk]]:
     """Every document's stored chunks by id (a later document of the same id replaces an earlier one),
     tokenized TOKENIZED_AT_ONCE documents a call."""
     chunked: dict[str, list[NewChunk]] = {}
-    docs = iter(docs)
-    while batch := list(itertools.islice(docs, TOKENIZED_AT_ONCE)):
-        chunked.update((d.id, chunks) for d, chunks in zip(batch, stored_chunks(batch, tokenizer, settings)))
+    for group in chunk_groups(docs, tokenizer, settings):
+        chunked.update(group)
     return chunked
 
 
@@ -110,26 +122,46 @@ def pages_per_batch(cfg: IndexConfig, settings: StoreSettings) -> int:
     return max(cfg.batch_tokens, longest) // cfg.page_size + 1
 
 
-def page_batches(chunks: list[NewChunk], batch_pages: int, page_size: int) -> Iterator[list[NewChunk]]:
-    """Consecutive runs of chunks whose pages fit a batch (a longer chunk goes alone). Batches grow
-    from a quarter of batch_pages as the pages done grow, and shrink to half the pages left near
-    the end: the first write starts sooner, and the writes left once the model is done are short."""
-    need = [pages_for(len(c.token_ids), page_size) for c in chunks]
-    done, left = 0, sum(need)
+class PageBatches:
+    """Consecutive runs of chunks whose pages fit a batch (a longer chunk goes alone), in order.
+    Batches grow from a quarter of batch_pages as the pages done grow, and shrink to half the pages
+    left near the end: the first write starts sooner, and the writes left once the model is done
+    are short. ``chunks`` may be a stream: it is pulled two batches ahead, as far as the shrink
+    near the end looks, so the batches are those of the whole list."""
 
-    def budget() -> int:
-        return max(batch_pages // 4, min(batch_pages, done, left // 2))
+    def __init__(self, chunks: Iterable[NewChunk], batch_pages: int, page_size: int):
+        self.batch_pages, self.page_size = batch_pages, page_size
+        self._chunks = iter(chunks)
+        self._ahead: deque[tuple[NewChunk, int]] = deque()  # pulled, not batched yet: (chunk, its pages)
+        self.pages_ahead = 0
+        self.exhausted = False
 
-    batch, pages, limit = [], 0, budget()
-    for c, n in zip(chunks, need):
-        if batch and pages + n > limit:
+    def fill(self) -> int:
+        """Pull chunks until two batches' pages are ahead, or none are left; the pages ahead."""
+        while not self.exhausted and self.pages_ahead < 2 * self.batch_pages:
+            chunk = next(self._chunks, None)
+            if chunk is None:
+                self.exhausted = True
+                break
+            n = pages_for(len(chunk.token_ids), self.page_size)
+            self._ahead.append((chunk, n))
+            self.pages_ahead += n
+        return self.pages_ahead
+
+    def __iter__(self) -> Iterator[list[NewChunk]]:
+        done = 0
+        while self.fill():
+            # until the stream ends, at least two batches are ahead: the shrink does not apply yet
+            left = self.pages_ahead if self.exhausted else 2 * self.batch_pages
+            limit = max(self.batch_pages // 4, min(self.batch_pages, done, left // 2))
+            batch, pages = [], 0
+            while self._ahead and (not batch or pages + self._ahead[0][1] <= limit):
+                chunk, n = self._ahead.popleft()
+                batch.append(chunk)
+                pages += n
+            self.pages_ahead -= pages
+            done += pages
             yield batch
-            done, left = done + pages, left - pages
-            batch, pages, limit = [], 0, budget()
-        batch.append(c)
-        pages += n
-    if batch:
-        yield batch
 
 
 class ChunkEncoder:
@@ -335,20 +367,21 @@ class BatchWriter:
             raise self.error
 
 
-def encode_chunks(loaded: LoadedModel, settings: StoreSettings, chunks: list[NewChunk], batch_pages: int,
+def encode_chunks(loaded: LoadedModel, settings: StoreSettings, chunks: Iterable[NewChunk], batch_pages: int,
                   write: WriteBatch, on_batch: Callable[[list[NewChunk]], None] = lambda batch: None) -> WriterTimes:
-    """Encode ``chunks`` in forward passes of ``batch_pages`` pages and hand each batch's KV to
-    ``write`` on writer threads; ``on_batch`` hears of each batch once it is encoded."""
-    if not chunks:
+    """Encode ``chunks`` (a list, or a stream pulled as the batches need it) in forward passes of
+    ``batch_pages`` pages and hand each batch's KV to ``write`` on writer threads; ``on_batch``
+    hears of each batch once it is encoded."""
+    batches = PageBatches(chunks, batch_pages, settings.page_size)
+    if not batches.fill():
         return WriterTimes()
     encoder = ChunkEncoder(loaded, list(settings.preamble_ids), settings.page_size, batch_pages)
     # on a GPU the writers' buffers are touched while the first batch runs (capped at what the
     # chunks need: a small corpus should not map gigabytes); on the CPU the forward pass is the bound
-    needed = sum(pages_for(len(c.token_ids), settings.page_size) for c in chunks) * settings.page_size
-    prefault = min(batch_pages * settings.page_size, needed) * settings.row_bytes if loaded.device.type == "cuda" else 0
-    writer = BatchWriter(write, prefault_bytes=prefault)
+    needed = min(batch_pages, batches.pages_ahead) * settings.page_size * settings.row_bytes
+    writer = BatchWriter(write, prefault_bytes=needed if loaded.device.type == "cuda" else 0)
     try:
-        for batch in page_batches(chunks, batch_pages, settings.page_size):
+        for batch in batches:
             writer.put(batch, stored_rows(encoder.encode([list(c.token_ids) for c in batch]), settings))
             on_batch(batch)
     finally:
@@ -356,21 +389,32 @@ def encode_chunks(loaded: LoadedModel, settings: StoreSettings, chunks: list[New
     return writer.times
 
 
-def plan(store: Store, documents: dict[str, list[NewChunk]], verify: bool) -> tuple[set[str], dict[str, NewChunk]]:
-    """Record each document's chunk list in ``store`` and return the damaged chunks and the chunks
-    to encode (by id, each once): those not stored yet and the damaged ones. Damaged: chunks in
-    missing or truncated segments, with ``verify`` also those whose data fails its checksum
-    (reading every chunk back would cost a full read of the store each run)."""
-    damaged = store.check(verify=verify).damaged_chunk_ids
-    todo: dict[str, NewChunk] = {}
-    for chunks in documents.values():
-        for new in chunks:
-            # the same text elsewhere is stored once, referenced by both documents
-            if new.chunk_id not in todo and (new.chunk_id in damaged or not store.has_chunk(new.chunk_id)):
-                todo[new.chunk_id] = new
-    # each document's new chunk list becomes visible with its last chunk, replacing the old one
-    store.put_documents([c for chunks in documents.values() for c in chunks])
-    return damaged, todo
+class Plan:
+    """What index encodes, as documents come: each document's chunk list recorded in the store
+    (it becomes visible with its last chunk stored, replacing an older list), and the chunks to
+    encode, each once: those not stored yet and the damaged ones. Damaged: chunks in missing or
+    truncated segments, with ``verify`` also those whose data fails its checksum (reading every
+    chunk back would cost a full read of the store each run)."""
+
+    def __init__(self, store: Store, verify: bool):
+        self.store = store
+        self.damaged = store.check(verify=verify).damaged_chunk_ids
+        self.documents: dict[str, list[NewChunk]] = {}
+        self.todo: dict[str, NewChunk] = {}
+
+    def add(self, documents: dict[str, list[NewChunk]]) -> list[NewChunk]:
+        """Record these documents' chunk lists; return their chunks to encode that no earlier call returned."""
+        new = []
+        for chunks in documents.values():
+            for c in chunks:
+                # the same text elsewhere is stored once, referenced by both documents
+                cid = c.chunk_id
+                if cid not in self.todo and (cid in self.damaged or not self.store.has_chunk(cid)):
+                    self.todo[cid] = c
+                    new.append(c)
+        self.store.put_documents([c for chunks in documents.values() for c in chunks])
+        self.documents.update(documents)
+        return new
 
 
 def sync_documents(cfg: IndexConfig, store: Store, documents: dict[str, list[NewChunk]]) -> list[str]:
@@ -388,19 +432,26 @@ def build_index(cfg: IndexConfig, report=print, progress: bool = True, loaded: L
     loaded = loaded or load_model(cfg.model, cfg.device, cfg.dtype, cfg.trust_remote_code)
     settings = store_settings(loaded, cfg.model, cfg.chunk_tokens, cfg.page_size)
     with Store.create_or_open(cfg.store, settings) as store:
-        # Chunk the whole corpus first: cheap next to the model, and it gives the bar a total.
+        # The corpus is chunked as the model needs its chunks, between batches: the host is ahead of
+        # the GPU there, so the model starts on the first documents and never waits for the rest.
         stats = CorpusStats()
-        documents = chunk_corpus(read_corpus(cfg.corpus, skip_bad=cfg.skip_bad, report=report, stats=stats),
-                                 loaded.tokenizer, settings)
-        damaged, todo = plan(store, documents, cfg.verify)
-        removed = sync_documents(cfg, store, documents)
-        bar = ProgressBar(len(todo), progress)
+        plan = Plan(store, cfg.verify)
+        docs = read_corpus(cfg.corpus, skip_bad=cfg.skip_bad, report=report, stats=stats)
+        bar = ProgressBar(progress)
+
+        def planned() -> Iterator[NewChunk]:
+            for group in chunk_groups(docs, loaded.tokenizer, settings, first=1):
+                new = plan.add(group)
+                bar.expect(len(new))
+                yield from new
+
         try:
-            times = encode_chunks(loaded, settings, list(todo.values()), pages_per_batch(cfg, settings),
-                                  lambda chunks, kv: store.append(chunks, kv, replace=damaged), bar.update)
+            times = encode_chunks(loaded, settings, planned(), pages_per_batch(cfg, settings),
+                                  lambda chunks, kv: store.append(chunks, kv, replace=plan.damaged), bar.update)
         finally:
             bar.close()
-        return index_result(cfg, store, todo, damaged, stats, t0, times, removed)
+        removed = sync_documents(cfg, store, plan.documents)
+        return index_result(cfg, store, plan.todo, plan.damaged, stats, t0, times, removed)
 
 
 def refresh_retrieval(store: Store) -> bool:
@@ -431,15 +482,25 @@ def index_result(cfg: IndexConfig, store: Store, todo: dict[str, NewChunk], dama
 
 
 class ProgressBar:
-    """tqdm over chunks, with tokens/s beside it (stderr; silent when progress is off)."""
+    """tqdm over chunks, with tokens/s beside it (stderr; silent when progress is off); its total
+    grows as the corpus is chunked."""
 
-    def __init__(self, chunks: int, enabled: bool):
-        from tqdm import tqdm
-
+    def __init__(self, enabled: bool):
         self.t0 = time.perf_counter()
         self.tokens = 0
-        self.tqdm = tqdm(total=chunks, unit="chunk", desc="index", disable=not (enabled and chunks),
-                         dynamic_ncols=True)
+        self.enabled = enabled
+        self.tqdm = None  # made at the first chunk to encode: a run that adds none shows no bar
+
+    def expect(self, chunks: int) -> None:
+        """``chunks`` more to encode."""
+        if not chunks:
+            return
+        if self.tqdm is None:
+            from tqdm import tqdm
+
+            self.tqdm = tqdm(total=0, unit="chunk", desc="index", disable=not self.enabled, dynamic_ncols=True)
+        self.tqdm.total += chunks
+        self.tqdm.refresh()
 
     def update(self, chunks: list[NewChunk]) -> None:
         self.tokens += sum(len(c.token_ids) for c in chunks)
@@ -447,4 +508,5 @@ class ProgressBar:
         self.tqdm.update(len(chunks))
 
     def close(self) -> None:
-        self.tqdm.close()
+        if self.tqdm is not None:
+            self.tqdm.close()

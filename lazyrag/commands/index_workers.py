@@ -28,8 +28,8 @@ from multiprocessing.connection import Connection, wait
 import click
 import torch
 
-from lazyrag.commands.index import (IndexResult, ProgressBar, chunk_corpus, encode_chunks, index_result,
-                                    pages_per_batch, plan, store_settings, sync_documents)
+from lazyrag.commands.index import (IndexResult, Plan, ProgressBar, chunk_corpus, encode_chunks, index_result,
+                                    pages_per_batch, store_settings, sync_documents)
 from lazyrag.commands.index import build_index
 from lazyrag.config import IndexConfig
 from lazyrag.corpus import CorpusStats, Document, read_corpus
@@ -86,10 +86,13 @@ def index_with_workers(cfg: IndexConfig, report, progress: bool, t0: float) -> I
         settings, chunked, owner = workers.chunked()
         documents = {doc_id: chunked[doc_id] for doc_id in order}
         with Store.create_or_open(cfg.store, settings) as store:
-            damaged, todo = plan(store, documents, cfg.verify)
+            plan = Plan(store, cfg.verify)
+            plan.add(documents)
+            damaged, todo = plan.damaged, plan.todo
             removed = sync_documents(cfg, store, documents)
             workers.assign(todo, owner, store, pages_per_batch(cfg, settings))
-            bar = ProgressBar(len(todo), progress)
+            bar = ProgressBar(progress)
+            bar.expect(len(todo))
             try:
                 for written in workers.segments(todo):
                     store.commit(written)

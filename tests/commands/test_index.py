@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from lazyrag.commands.index import build_index, page_batches
+from lazyrag.commands.index import PageBatches, build_index
 from lazyrag.config import IndexConfig
 from lazyrag.store import NewChunk, Store, StoreMismatch
 
@@ -73,17 +73,72 @@ def test_stored_kv_equals_transformers_past_key_values(tmp_path, smollm, dtype):
 
 def test_page_batches_keep_chunk_order_and_send_a_long_chunk_alone():
     chunks = [NewChunk(f"c{i}", "d", i, tuple(range(n)), "") for i, n in enumerate([64, 65, 10, 200, 1, 300, 64, 64])]
-    batches = list(page_batches(chunks, batch_pages=8, page_size=64))
+    batches = list(PageBatches(chunks, batch_pages=8, page_size=64))
     # pages needed: 1, 2, 1, 4, 1, 5, 1, 1; budgets 2, 2, 3, 4, 4, 3, 2 as pages are done and left
     assert [[c.chunk_id for c in b] for b in batches] == [["c0"], ["c1"], ["c2"], ["c3"], ["c4"], ["c5"], ["c6", "c7"]]
 
 
 def test_page_batches_grow_from_a_quarter_and_shrink_toward_the_end():
     chunks = [NewChunk(f"c{i}", "d", i, tuple(range(64)), "") for i in range(20)]  # a page each
-    assert [len(b) for b in page_batches(chunks, batch_pages=8, page_size=64)] == [2, 2, 4, 6, 3, 2, 1]
+    assert [len(b) for b in PageBatches(chunks, batch_pages=8, page_size=64)] == [2, 2, 4, 6, 3, 2, 1]
     many = [NewChunk(f"c{i}", "d", i, tuple(range(64)), "") for i in range(100)]
-    sizes = [len(b) for b in page_batches(many, batch_pages=8, page_size=64)]
+    sizes = [len(b) for b in PageBatches(many, batch_pages=8, page_size=64)]
     assert sizes[:4] == [2, 2, 4, 8] and max(sizes) == 8 and sizes[-3:] == [3, 2, 1] and sum(sizes) == 100
+
+
+def test_page_batches_of_a_stream_are_those_of_its_list_pulled_two_batches_ahead():
+    pages = [1, 2, 1, 4, 1, 5, 1, 1, 3, 1, 2, 2, 1, 1, 6, 1, 1, 2]
+    chunks = [NewChunk(f"c{i}", "d", i, tuple(range(64 * n)), "") for i, n in enumerate(pages)]
+    pulled = []
+
+    def stream():
+        for c in chunks:
+            pulled.append(c.chunk_id)
+            yield c
+
+    batches = PageBatches(stream(), batch_pages=4, page_size=64)
+    first = next(iter(batches))
+    assert sum(pages[:len(pulled)]) < 2 * 4 + 5  # two batches' pages, and the chunk that passed them
+    assert len(pulled) < len(chunks)
+    rest = list(batches)
+    assert [[c.chunk_id for c in b] for b in [first, *rest]] == \
+        [[c.chunk_id for c in b] for b in PageBatches(chunks, batch_pages=4, page_size=64)]
+
+
+def test_the_model_starts_before_the_corpus_is_all_chunked(tmp_path, monkeypatch):
+    from lazyrag.commands import index
+
+    corpus = write_corpus(tmp_path / "c.jsonl", {f"d{i}": f"Document {i} says this. " * 40 for i in range(12)})
+    events = []
+    chunk, encode = index.stored_chunks, index.ChunkEncoder.encode
+    monkeypatch.setattr(index, "stored_chunks", lambda docs, *a: events.append(("chunk", len(docs))) or chunk(docs, *a))
+    monkeypatch.setattr(index.ChunkEncoder, "encode",
+                        lambda self, t: events.append(("encode", len(t))) or encode(self, t))
+    result = build_index(IndexConfig(corpus=corpus, store=tmp_path / "s.zarr", model="random:tiny", device="cpu",
+                                     chunk_tokens=64, batch_tokens=128), progress=False)
+    chunked = [n for what, n in events if what == "chunk"]
+    assert chunked[:3] == [1, 2, 4] and sum(chunked) == 12  # groups double from one document
+    first_encode = events.index(next(e for e in events if e[0] == "encode"))
+    assert first_encode < len(events) - 1 and ("chunk", 5) in events[first_encode:]
+    assert result.chunks_added == result.chunks_total == sum(n for what, n in events if what == "encode")
+    assert result.documents_total == 12
+
+
+def test_a_bad_line_late_in_the_corpus_keeps_what_was_encoded_before_it(tmp_path):
+    from lazyrag.corpus.reading import CorpusError
+
+    good = "".join(json.dumps({"id": f"d{i}", "text": f"Filler {i}. " * 30}) + "\n" for i in range(8))
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text(good + "not json\n")
+    cfg = IndexConfig(corpus=corpus, store=tmp_path / "s.zarr", model="random:tiny", device="cpu",
+                      chunk_tokens=32, batch_tokens=64)
+    with pytest.raises(CorpusError, match=r"c\.jsonl:9"):
+        build_index(cfg, progress=False)
+    stored = _chunk_count(tmp_path / "s.zarr")
+    assert stored > 0  # the documents before the bad line were encoded as they came
+    corpus.write_text(good)
+    again = build_index(cfg, progress=False)
+    assert again.chunks_added == again.chunks_total - stored and again.documents_total == 8
 
 
 def test_rerun_adds_nothing_and_new_documents_append(tmp_path):
