@@ -118,6 +118,8 @@ def main() -> None:
     ap.add_argument("--docs", type=int, default=bench_e2e.DOCS)
     ap.add_argument("--doc-tokens", type=int, default=bench_e2e.DOC_TOKENS)
     args = ap.parse_args()
+    if os.environ.get("OUT"):  # written into at the end of a long run: made now
+        Path(os.environ["OUT"]).mkdir(parents=True, exist_ok=True)
     bench_e2e.DOCS, bench_e2e.DOC_TOKENS = args.docs, args.doc_tokens
     if args.store:
         print(json.dumps(child(args)))

@@ -208,6 +208,8 @@ def main() -> None:
                          "traces in $OUT and, for each, the GPU's busy and idle time by host phase (trace_gaps)")
     args = ap.parse_args()
     index.WRITER_THREADS = args.writers
+    if os.environ.get("OUT"):  # written into at the end of a long run: made now
+        Path(os.environ["OUT"]).mkdir(parents=True, exist_ok=True)
     file_writes.PIECE = args.piece_mb << 20
 
     root = Path(args.dir or tempfile.mkdtemp(prefix="lazyrag-bench-index-"))
