@@ -436,14 +436,15 @@ def build_index(cfg: IndexConfig, report=print, progress: bool = True, loaded: L
         # the GPU there, so the model starts on the first documents and never waits for the rest.
         stats = CorpusStats()
         plan = Plan(store, cfg.verify)
-        docs = read_corpus(cfg.corpus, skip_bad=cfg.skip_bad, report=report, stats=stats)
         bar = ProgressBar(progress)
+        docs = read_corpus(cfg.corpus, skip_bad=cfg.skip_bad, report=bar.around(report), stats=stats)
 
         def planned() -> Iterator[NewChunk]:
             for group in chunk_groups(docs, loaded.tokenizer, settings, first=1):
                 new = plan.add(group)
                 bar.expect(len(new))
                 yield from new
+            bar.expect(0, last=True)
 
         try:
             times = encode_chunks(loaded, settings, planned(), pages_per_batch(cfg, settings),
@@ -482,25 +483,37 @@ def index_result(cfg: IndexConfig, store: Store, todo: dict[str, NewChunk], dama
 
 
 class ProgressBar:
-    """tqdm over chunks, with tokens/s beside it (stderr; silent when progress is off); its total
-    grows as the corpus is chunked."""
+    """tqdm over chunks, with tokens/s beside it (stderr; silent when progress is off). The corpus is
+    chunked as the run goes, so the bar counts chunks without a total (no percentage it cannot
+    know) until the last document is chunked."""
 
     def __init__(self, enabled: bool):
         self.t0 = time.perf_counter()
         self.tokens = 0
         self.enabled = enabled
+        self.expected = 0
         self.tqdm = None  # made at the first chunk to encode: a run that adds none shows no bar
 
-    def expect(self, chunks: int) -> None:
-        """``chunks`` more to encode."""
-        if not chunks:
-            return
-        if self.tqdm is None:
+    def expect(self, chunks: int, last: bool = False) -> None:
+        """``chunks`` more to encode; ``last``: no more will come, the total is known."""
+        self.expected += chunks
+        if self.tqdm is None and self.expected:
             from tqdm import tqdm
 
-            self.tqdm = tqdm(total=0, unit="chunk", desc="index", disable=not self.enabled, dynamic_ncols=True)
-        self.tqdm.total += chunks
-        self.tqdm.refresh()
+            self.tqdm = tqdm(total=None, unit="chunk", desc="index", disable=not self.enabled, dynamic_ncols=True)
+        if self.tqdm is not None and last:
+            self.tqdm.total = self.expected
+            self.tqdm.refresh()
+
+    def around(self, report: Callable[[str], None]) -> Callable[[str], None]:
+        """``report`` writing with the bar cleared and drawn again after (a line skipped mid-run)."""
+        def write(message: str) -> None:
+            if self.tqdm is None:
+                report(message)
+                return
+            with self.tqdm.external_write_mode():
+                report(message)
+        return write
 
     def update(self, chunks: list[NewChunk]) -> None:
         self.tokens += sum(len(c.token_ids) for c in chunks)

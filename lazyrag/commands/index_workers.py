@@ -92,7 +92,7 @@ def index_with_workers(cfg: IndexConfig, report, progress: bool, t0: float) -> I
             removed = sync_documents(cfg, store, documents)
             workers.assign(todo, owner, store, pages_per_batch(cfg, settings))
             bar = ProgressBar(progress)
-            bar.expect(len(todo))
+            bar.expect(len(todo), last=True)
             try:
                 for written in workers.segments(todo):
                     store.commit(written)

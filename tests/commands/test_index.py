@@ -141,6 +141,34 @@ def test_a_bad_line_late_in_the_corpus_keeps_what_was_encoded_before_it(tmp_path
     assert again.chunks_added == again.chunks_total - stored and again.documents_total == 8
 
 
+def test_the_bar_shows_a_total_only_once_the_corpus_is_all_chunked():
+    from lazyrag.commands.index import ProgressBar
+
+    bar = ProgressBar(enabled=False)
+    bar.expect(0)
+    assert bar.tqdm is None  # nothing to encode yet: no bar
+    bar.expect(3)
+    bar.expect(2)
+    assert bar.tqdm.total is None
+    bar.expect(1, last=True)
+    assert bar.tqdm.total == 6
+    bar.close()
+
+
+def test_a_line_skipped_mid_run_is_written_on_a_line_of_its_own_beside_the_bar(capsys):
+    from lazyrag.commands.index import ProgressBar
+
+    bar = ProgressBar(enabled=True)
+    report = bar.around(lambda message: sys.stderr.write(message + "\n"))
+    report("skipped: before the bar")
+    bar.expect(2)
+    report("skipped: c.jsonl:9")
+    bar.close()
+    err = capsys.readouterr().err
+    assert err.startswith("skipped: before the bar\n")
+    assert "\rskipped: c.jsonl:9\n" in err  # the bar's line cleared first, not written after
+
+
 def test_rerun_adds_nothing_and_new_documents_append(tmp_path):
     corpus = write_corpus(tmp_path / "c.jsonl", {"a": "Alpha one. " * 20, "b": "Beta two. " * 20})
     cfg = IndexConfig(corpus=corpus, store=tmp_path / "s.zarr", model="random:tiny", device="cpu", chunk_tokens=64)
