@@ -4,8 +4,9 @@ Each chunk is encoded once, after the store's preamble, at chunk-local positions
 (P .. P+L-1): it attends to the preamble and to itself. Its keys are stored rotated
 at those positions, so the engine can later place it at any offset by shifting the
 query's rotation instead of touching the keys. An fp8 store's chunks are encoded in the
-model's own dtype and quantised once encoded. Many chunks share one forward pass;
-writer threads store finished batches while the next batch runs. With `--workers N`
+model's own dtype and quantised once encoded. Many chunks share one forward pass; the
+corpus is chunked as the batches need its chunks, and writer threads store finished batches
+while the next batch runs. With `--workers N`
 (lazyrag/commands/index_workers.py, which imports this module) N processes run this encode loop,
 each over its share.
 """
