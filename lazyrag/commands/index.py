@@ -379,8 +379,9 @@ def encode_chunks(loaded: LoadedModel, settings: StoreSettings, chunks: Iterable
     encoder = ChunkEncoder(loaded, list(settings.preamble_ids), settings.page_size, batch_pages)
     # on a GPU the writers' buffers are touched while the first batch runs (capped at what the
     # chunks need: a small corpus should not map gigabytes); on the CPU the forward pass is the bound
-    needed = min(batch_pages, batches.pages_ahead) * settings.page_size * settings.row_bytes
-    writer = BatchWriter(write, prefault_bytes=needed if loaded.device.type == "cuda" else 0)
+    on_gpu = loaded.device.type == "cuda"
+    prefault = min(batch_pages, batches.pages_ahead) * settings.page_size * settings.row_bytes if on_gpu else 0
+    writer = BatchWriter(write, prefault_bytes=prefault)
     try:
         for batch in batches:
             writer.put(batch, stored_rows(encoder.encode([list(c.token_ids) for c in batch]), settings))
