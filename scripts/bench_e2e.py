@@ -66,6 +66,16 @@ def allocations() -> dict[str, float]:
             "device_segments": device.get("segment.all.allocated", 0), "alloc_retries": device.get("num_alloc_retries", 0)}
 
 
+def segment_sizes() -> dict[int, list] | None:
+    """The device segments torch's allocator holds, by address: [MiB, pool, stream]. None without CUDA."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return {seg["address"]: [round(seg["total_size"] / 2**20, 1), seg["segment_type"], seg["stream"]]
+            for seg in torch.cuda.memory_snapshot()}
+
+
 @contextlib.contextmanager
 def full_collections(out: dict):
     """Python's full garbage collections while the context lasts: their count and milliseconds
@@ -152,13 +162,15 @@ def run(engine_args: dict, loaded, store, mode: str, prompts, questions, cache_g
         engine.cache.reset_counters()
         engine.steps = StepCounts()
     sync()
-    before, collections = allocations(), {}
+    before, collections, segments = allocations(), {}, segment_sizes()
     with timed(), full_collections(collections):
         t0 = time.perf_counter()
         engine.run(requests(t0), done.append)
         sync()
         seconds = time.perf_counter() - t0
     made = {k: round(v - before[k], 1) for k, v in allocations().items()}
+    if segments is not None:  # each new segment: MiB, its pool, its stream
+        made["new_segments"] = [v for a, v in segment_sizes().items() if a not in segments]
     c, steps = engine.cache.counters, engine.steps
     engine.close()
     out_tokens = sum(len(r.generated) for r in done)
