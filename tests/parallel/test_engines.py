@@ -59,7 +59,9 @@ def test_rows_come_back_as_they_finish_and_the_stream_stays_open(store):
         assert failed == ["lost"]
         # one request at a time (batch size 1): the first rows came back while the others still ran
         assert len(collected) > 1
-        assert sum(collected, []) == [f"q{i}" for i in range(6)]
+        # each once; not necessarily in order: one whose chunks were read first may go ahead of one
+        # still reading (lazyrag/serve/scheduler.py)
+        assert sorted(sum(collected, [])) == [f"q{i}" for i in range(6)]
         # the engine waits for more instead of ending: a query submitted now is answered too
         actor.submit(work(store, 1, start=6))
         late = actor.collect(wait_s=60)
